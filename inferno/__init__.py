@@ -1,0 +1,7 @@
+"""inferno: LLM inference and serving on PyTorch."""
+from inferno.engine.llm_engine import LLMEngine
+from inferno.entrypoints.llm import LLM
+from inferno.outputs import CompletionOutput, Logprob, RequestOutput
+from inferno.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]

@@ -1,0 +1,61 @@
+"""Configuration: the model's shape (read from its files) and the engine's knobs (chosen by the user)."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent rope scaling."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str  # "llama" | "qwen2" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # GGUF file or HF folder; None: the default model
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int = 4 << 30  # bytes for the KV cache pool (vLLM's CPU default is 4 GiB)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    num_threads: int | None = None
+    seed: int = 0
+    disable_log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

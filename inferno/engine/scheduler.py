@@ -1,0 +1,118 @@
+"""Iteration-level scheduler: one token budget per step, decodes first, then waiting requests FCFS.
+
+Every request has `num_computed_tokens` and `num_tokens`; a step hands out tokens so that computed catches up.
+Prefill, chunked prefill, decode and recompute after preemption are all the same mechanism.
+"""
+import time
+from collections import deque
+
+from inferno.config import EngineConfig
+from inferno.engine.kv_cache_manager import KVCacheManager
+from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+        # running requests: decodes first, then unfinished prefill chunks
+        ordered = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in ordered:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv_cache_manager.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = num_new
+                budget -= num_new
+        # waiting requests, first come first served; none while memory is short
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv_cache_manager.allocate_slots(req, num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.time()
+            self.running.append(req)
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+        requests = sorted((self.requests[i] for i in scheduled), key=lambda r: scheduled[r.request_id] > 1)
+        return SchedulerOutput(requests, [scheduled[r.request_id] for r in requests], preempted)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish stopped requests; returns the requests that
+        got a new token or a prompt-logprob chunk."""
+        updated = []
+        now = time.time()
+        for req, n in zip(sched.requests, sched.num_scheduled_tokens):
+            req.num_computed_tokens += n
+            token = output.sampled_token_ids.get(req.request_id)
+            if token is None:
+                if req.request_id in output.prompt_logprobs:
+                    updated.append(req)
+                continue
+            req.append_token(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            if req.check_stop():
+                self._free(req)
+            updated.append(req)
+        return updated
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not req.is_finished:
+            req.status = status
+        self._free(req)
+        return req
+
+    def _free(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.metrics.finished_time = time.time()
+        self.requests.pop(req.request_id, None)

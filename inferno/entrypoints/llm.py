@@ -1,0 +1,67 @@
+"""The offline API: LLM(model=...).generate(prompts, sampling_params), shaped like vLLM's."""
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tqdm.auto import tqdm
+
+from inferno.config import EngineConfig
+from inferno.engine.llm_engine import LLMEngine, PromptType
+from inferno.loader.tokenizer import Tokenizer
+from inferno.outputs import RequestOutput
+from inferno.sampling_params import RequestOutputKind, SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, prompt, replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2,
+                  dynamic_ncols=True) as bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[r] for r in request_ids]

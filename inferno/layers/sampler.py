@@ -1,0 +1,131 @@
+"""Batched sampling: penalties -> temperature -> top-k / top-p / min-p -> sample, with per-request seeds.
+
+Sampling uses the exponential-race trick (argmax of probs / Exp(1) noise), so a seeded request draws its noise
+from its own generator and gets the same tokens whatever else is in the batch.
+"""
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float; 0 = greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [B] long, 0 = off; None when no row uses it
+    top_p: torch.Tensor | None  # [B] float
+    min_p: torch.Tensor | None  # [B] float
+    generators: dict[int, torch.Generator]  # row -> the request's own generator
+    penalty_rows: list[int]  # rows with any penalty
+    repetition_penalty: torch.Tensor | None  # [len(penalty_rows)]
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    prompt_token_ids: list[list[int]]  # per penalty row
+    output_token_ids: list[list[int]]  # per penalty row
+    banned_token_ids: dict[int, list[int]]  # row -> tokens not allowed yet (EOS and stop tokens before min_tokens)
+    max_num_logprobs: int | None  # None: no logprobs wanted
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B]
+    # with logprobs: [B, 1 + k] ids and logprobs (sampled token first, then the top-k), rank of the sampled token
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+def token_counts(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """[len(rows), vocab] counts of each token id per row."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), vocab_size, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    counts = torch.zeros(len(rows), vocab_size + 1)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    rows = torch.tensor(md.penalty_rows, dtype=torch.long)
+    sub = logits[rows]
+    vocab = logits.shape[1]
+    output_counts = token_counts(md.output_token_ids, vocab)
+    seen = (token_counts(md.prompt_token_ids, vocab) > 0) | (output_counts > 0)
+    rep = md.repetition_penalty.unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= md.frequency_penalty.unsqueeze(1) * output_counts
+    sub -= md.presence_penalty.unsqueeze(1) * (output_counts > 0)
+    logits[rows] = sub
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        kth_smallest_kept = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_smallest_kept, NEG_INF)
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits.masked_fill_(drop, NEG_INF)
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, NEG_INF)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, vocab] float32, one row per request that produces a token this step."""
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        logits = logits.clone()
+        for row, tokens in md.banned_token_ids.items():
+            logits[row, tokens] = NEG_INF
+        if md.penalty_rows:
+            logits = apply_penalties(logits, md)
+        greedy = logits.argmax(dim=-1)
+        if md.all_greedy:
+            sampled = greedy
+        else:
+            temperature = torch.where(md.temperature > 0, md.temperature, 1.0).unsqueeze(1)
+            logits = logits / temperature
+            if md.top_k is not None or md.top_p is not None:
+                logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+            if md.min_p is not None:
+                logits = apply_min_p(logits, md.min_p)
+            sampled = random_sample(logits.softmax(dim=-1), md.generators)
+            sampled = torch.where(md.temperature > 0, sampled, greedy)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        return gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+    """The chosen token's logprob and rank, followed by the top-k."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+    return SamplerOutput(
+        sampled_token_ids=token_ids,
+        logprob_token_ids=torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
+        logprobs=torch.cat([chosen, top_values], dim=1),
+        sampled_ranks=ranks,
+    )

