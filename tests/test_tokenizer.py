@@ -22,6 +22,7 @@ TEXTS = [
     "multiple   spaces\tand\ttabs    here ",
     "line one\nline two\n\n\nline five\r\n",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<file_sep>main.py<|endoftext|><jupyter_code>x = 1",
     "def f(x):\n    return [i ** 2 for i in range(x)]  # squares\n",
     "I'm sure you're right, they'll see it's fine",
     "",
@@ -162,6 +163,7 @@ def qwen2_folder(tmp_path_factory) -> Path:
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "bos_token_id": 0, "eos_token_id": 2}))
     return folder
 
 
@@ -169,10 +171,11 @@ def test_hf_folder_matches_hf(qwen2_folder: Path):
     tokenizer = Tokenizer.from_hf_folder(str(qwen2_folder))
     reference = transformers.AutoTokenizer.from_pretrained(str(qwen2_folder))
     for text in TEXTS:
-        assert tokenizer.encode(text) == reference.encode(text)
-        assert tokenizer.decode(tokenizer.encode(text)) == reference.decode(reference.encode(text), skip_special_tokens=True)
+        ids = reference.encode(text)
+        assert tokenizer.encode(text) == ids
+        assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
     assert len(tokenizer.encode("2024")) == 4  # Qwen2's split cuts every digit off
-    assert tokenizer.bos_token_id is None
+    assert tokenizer.bos_token_id is None  # tokenizer_config's null wins over config.json's bos_token_id
     assert tokenizer.eos_token_id == reference.eos_token_id == 2
     assert tokenizer.eos_token_ids == {0, 2}
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"city": "Zürich"}}}]
@@ -180,9 +183,22 @@ def test_hf_folder_matches_hf(qwen2_folder: Path):
         assert tokenizer.apply_chat_template(messages) == reference.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        assert tokenizer.apply_chat_template(messages, tools=tools, enable_thinking=False) == reference.apply_chat_template(
+        expected = reference.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
+        assert tokenizer.apply_chat_template(messages, tools=tools, enable_thinking=False) == expected
+
+
+def test_hf_folder_add_bos_token_flag_puts_bos_first(qwen2_folder: Path, tmp_path: Path):
+    # transformers 5 ignores this flag for a plain tokenizer.json; we follow the flag, as transformers 4 did for Llama
+    (tmp_path / "tokenizer.json").write_text((qwen2_folder / "tokenizer.json").read_text())
+    config = {"bos_token": "<|endoftext|>", "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_hf_folder(str(tmp_path))
+    assert tokenizer.bos_token_id == 0
+    assert tokenizer.encode("Hello") == [0, *tokenizer.encode("Hello", add_special_tokens=False)]
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenizer.apply_chat_template(CONVERSATIONS[1])
 
 
 def write_gguf(path: Path, tokenizer: tokenizers.Tokenizer, model: str = "gpt2") -> None:

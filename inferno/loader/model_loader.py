@@ -46,7 +46,7 @@ def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
         reader = gguf_loader.open_gguf(path)
         config = gguf_loader.read_config(reader)
         weights = gguf_loader.iter_weights(reader, config)
-        tokenizer = Tokenizer.from_gguf(path)
+        tokenizer = Tokenizer.from_gguf(reader)
     else:
         config = hf_loader.read_config(p)
         weights = hf_loader.iter_weights(p)

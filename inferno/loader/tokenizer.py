@@ -8,7 +8,7 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import jinja2
 import jinja2.ext
@@ -28,13 +28,8 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _SPLIT_REGEX_BY_PRE = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"], _LLAMA3_SPLIT),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen"], _QWEN2_SPLIT),
 }
 # flavours that cut every digit off on its own, then apply GPT-2's regex
 _DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
@@ -42,7 +37,7 @@ _DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "codeshell"}
 _END_OF_TURN_TOKENS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"}
 
 
-class IncrementalDetokenizer:
+class DecodeStream:
     """Text deltas for token ids arriving one at a time; bytes of an unfinished character are held back."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool):
@@ -54,6 +49,8 @@ class IncrementalDetokenizer:
 
 
 class Tokenizer:
+    """Text <-> token ids, the ids that end generation, and the chat template of one model."""
+
     def __init__(
         self,
         tokenizer: tokenizers.Tokenizer,
@@ -64,65 +61,60 @@ class Tokenizer:
         chat_template: str | None,
     ):
         self._tokenizer = tokenizer
-        added = tokenizer.get_added_tokens_decoder()
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.eos_token_ids = eos_token_ids | ({eos_token_id} if eos_token_id is not None else set())
-        special = {i for i, token in added.items() if token.special}
+        special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
         self.all_special_ids = special | {i for i in (bos_token_id, eos_token_id) if i is not None}
         self.chat_template = chat_template
 
     @classmethod
-    def from_gguf(cls, path: str) -> "Tokenizer":
-        reader = GGUFReader(path)
-        meta = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
-        model = meta.get("tokenizer.ggml.model")
+    def from_gguf(cls, source: str | GGUFReader) -> Self:
+        """From a GGUF path, or from a reader the model loader has already opened (parsing costs seconds)."""
+        reader = GGUFReader(source) if isinstance(source, str) else source
+        meta = {key.removeprefix("tokenizer."): field.contents() for key, field in reader.fields.items()}
+        model = meta.get("ggml.model")
         if model != "gpt2":
             raise ValueError(
-                f"{path}: tokenizer.ggml.model is {model!r}, but only byte-level BPE ('gpt2') vocabularies "
+                f"GGUF tokenizer.ggml.model is {model!r}, but only byte-level BPE ('gpt2') vocabularies "
                 "are supported from GGUF so far; load the model's Hugging Face folder (with tokenizer.json) instead"
             )
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
-        pre = meta.get("tokenizer.ggml.pre", "default")
-
+        tokens: list[str] = meta["ggml.tokens"]
+        kinds = list(zip(tokens, meta.get("ggml.token_type") or [TokenType.NORMAL] * len(tokens)))
+        pre = meta.get("ggml.pre", "default")
         bpe = models.BPE(
             vocab={token: i for i, token in enumerate(tokens)},
-            merges=[tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])],
+            merges=[tuple(merge.split(" ", 1)) for merge in meta.get("ggml.merges", [])],
             ignore_merges=_SPLIT_REGEX_BY_PRE.get(pre) is _LLAMA3_SPLIT,
         )
         tokenizer = tokenizers.Tokenizer(bpe)
         tokenizer.pre_tokenizer = _gguf_pre_tokenizer(pre)
         tokenizer.decoder = decoders.ByteLevel()
         # added tokens keep their ids: their text is already a key of the BPE vocab
-        kinds = list(zip(tokens, token_types))
-        tokenizer.add_special_tokens(
-            [AddedToken(token, special=True, normalized=False) for token, kind in kinds if kind == TokenType.CONTROL]
-        )
-        tokenizer.add_tokens(
-            [AddedToken(token, special=False, normalized=False) for token, kind in kinds if kind == TokenType.USER_DEFINED]
-        )
+        control = [token for token, kind in kinds if kind == TokenType.CONTROL]
+        user_defined = [token for token, kind in kinds if kind == TokenType.USER_DEFINED]
+        tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in control])
+        tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in user_defined])
 
-        bos_token_id = meta.get("tokenizer.ggml.bos_token_id")
-        eos_token_id = meta.get("tokenizer.ggml.eos_token_id")
+        bos_token_id, eos_token_id = meta.get("ggml.bos_token_id"), meta.get("ggml.eos_token_id")
         _set_bos_eos(
             tokenizer,
-            bos_token_id if meta.get("tokenizer.ggml.add_bos_token", False) else None,
-            eos_token_id if meta.get("tokenizer.ggml.add_eos_token", False) else None,
+            bos_token_id if meta.get("ggml.add_bos_token", False) else None,
+            eos_token_id if meta.get("ggml.add_eos_token", False) else None,
         )
-        eos_token_ids = {meta[key] for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if key in meta}
-        eos_token_ids |= {i for i, (token, kind) in enumerate(kinds) if kind == TokenType.CONTROL and token in _END_OF_TURN_TOKENS}
+        eos_token_ids = {meta[key] for key in ("ggml.eot_token_id", "ggml.eom_token_id") if key in meta}
+        eos_token_ids |= {tokenizer.token_to_id(token) for token in _END_OF_TURN_TOKENS.intersection(control)}
         return cls(
             tokenizer,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
             eos_token_ids=eos_token_ids,
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=meta.get("chat_template"),
         )
 
     @classmethod
-    def from_hf_folder(cls, path: str) -> "Tokenizer":
+    def from_hf_folder(cls, path: str) -> Self:
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(
@@ -135,18 +127,17 @@ class Tokenizer:
         model_config = _read_json(folder / "config.json")
 
         def token_id(name: str) -> int | None:
-            token = tokenizer_config.get(name)
-            if isinstance(token, dict):
-                token = token.get("content")
-            if token is not None:
-                return tokenizer.token_to_id(token)
+            if name in tokenizer_config:  # a string, an AddedToken dict, or null for "this model has none"
+                token = tokenizer_config[name]
+                token = token["content"] if isinstance(token, dict) else token
+                return None if token is None else tokenizer.token_to_id(token)
             ids = _as_ids(generation_config.get(f"{name}_id", model_config.get(f"{name}_id")))
             return ids[0] if ids else None
 
         bos_token_id = token_id("bos_token")
         eos_token_id = token_id("eos_token")
         if "add_bos_token" in tokenizer_config or "add_eos_token" in tokenizer_config:
-            # an explicit flag overrides tokenizer.json's post-processor, as in transformers
+            # an explicit flag overrides tokenizer.json's post-processor, as transformers 4 did for Llama
             _set_bos_eos(
                 tokenizer,
                 bos_token_id if tokenizer_config.get("add_bos_token") else None,
@@ -170,8 +161,8 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str:
         return self._tokenizer.decode([i], skip_special_tokens=False)
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens)
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        return DecodeStream(self._tokenizer, skip_special_tokens)
 
     def apply_chat_template(
         self,
@@ -224,9 +215,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _as_ids(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def _hf_chat_template(folder: Path, tokenizer_config: dict) -> str | None:

@@ -1,0 +1,110 @@
+"""Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come."""
+import argparse
+import sys
+import uuid
+
+from inferno.config import EngineConfig
+from inferno.engine.llm_engine import LLMEngine
+from inferno.sampling_params import RequestOutputKind, SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                        num_threads=args.num_threads)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop, output_kind=RequestOutputKind.DELTA)
+
+
+def stream(engine: LLMEngine, prompt: str | dict, params: SamplingParams) -> str:
+    """Run one request, printing text deltas as they arrive; returns the whole text."""
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt, params)
+    pieces = []
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                for completion in output.outputs:
+                    print(completion.text, end="", flush=True)
+                    pieces.append(completion.text)
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+    print()
+    return "".join(pieces)
+
+
+def chat_prompt(engine: LLMEngine, messages: list[dict]) -> dict:
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    engine = LLMEngine(engine_config(args))
+    prompt = chat_prompt(engine, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    stream(engine, prompt, sampling_params(args))
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    engine = LLMEngine(engine_config(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    params = sampling_params(args)
+    print("inferno chat — an empty line or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        reply = stream(engine, chat_prompt(engine, messages), params)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="inferno", description="LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate a completion for one prompt, streamed")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=run_generate)
+    chat = commands.add_parser("chat", help="interactive chat, streamed")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=run_chat)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        parser.exit(2, f"inferno: error: {e}\n")
