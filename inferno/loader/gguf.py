@@ -92,4 +92,4 @@ def iter_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple
                 w = unpermute_rotary(w, config.num_attention_heads)
             elif name.endswith("k_proj.weight"):
                 w = unpermute_rotary(w, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy of the memory map

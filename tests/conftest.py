@@ -1,0 +1,51 @@
+"""Shared fixtures: the default model loaded once, HF transformers as the numeric oracle."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferno import LLM
+from inferno.engine.llm_engine import LLMEngine
+from inferno.layers.attention import AttentionMetadata, PrefillChunk
+from inferno.loader.model_loader import default_model_path
+from inferno.request import Request
+from inferno.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm() -> LLM:
+    return LLM(kv_cache_memory=512 << 20)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+    path = Path(model_path)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def prefill_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
+    """Logits [len, vocab] of one prompt through the engine's model and paged KV cache."""
+    req = Request("logits", token_ids, SamplingParams(), set(), engine.max_model_len)
+    assert engine.kv_cache_manager.allocate_slots(req, len(token_ids))
+    try:
+        runner = engine.model_runner
+        chunk = runner._prefill_chunk(0, len(token_ids), 0, req.block_ids)
+        bs = engine.config.block_size
+        slots = [req.block_ids[p // bs] * bs + p % bs for p in range(len(token_ids))]
+        meta = AttentionMetadata(torch.tensor(slots), 0, None, None, [chunk])
+        hidden = runner.model(torch.tensor(token_ids), torch.arange(len(token_ids)), meta)
+        return runner.model.compute_logits(hidden)
+    finally:
+        engine.kv_cache_manager.free(req)
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.num_blocks
