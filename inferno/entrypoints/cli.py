@@ -6,6 +6,7 @@ import uuid
 from inferno.config import EngineConfig
 from inferno.engine.llm_engine import LLMEngine
 from inferno.sampling_params import RequestOutputKind, SamplingParams
+from inferno.server.cli_args import add_server_args, server_config
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +90,12 @@ def run_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def run_serve(args: argparse.Namespace) -> None:
+    from inferno.server.app import run_server  # fastapi and uvicorn load only for `serve`
+    args.model = args.model_tag or args.model
+    run_server(engine_config(args), server_config(args))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="inferno", description="LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +110,11 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=run_chat)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, help="GGUF file or Hugging Face folder (as --model)")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(func=run_serve)
     args = parser.parse_args(argv)
     try:
         args.func(args)

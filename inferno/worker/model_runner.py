@@ -23,10 +23,11 @@ class ModelRunner:
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         shape = (num_blocks, self.block_size, self.config.num_key_value_heads, self.config.head_dim)
-        # torch.empty: pages are only touched (and counted as resident) once blocks are written
+        # zeros, not empty: masked-out slots are still multiplied by zero weights, and stale NaN/inf garbage would
+        # turn that into NaN
         for attn in model.attention_layers:
-            attn.k_cache = torch.empty(shape, dtype=self.dtype)
-            attn.v_cache = torch.empty(shape, dtype=self.dtype)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
