@@ -1,6 +1,8 @@
 """Paged attention in plain PyTorch: write new K/V into the block pool, attend through block tables.
 
-One flat batch holds decode tokens first (one query each, batched into a single SDPA call over K/V gathered
+The cache of one layer is head-major, `[num_kv_heads, num_blocks, block_size, head_dim]`, so gathering a
+request's blocks yields K/V already laid out as `[kv_heads, tokens, head_dim]` for batched matmuls.
+One flat batch holds decode tokens first (one query each, attended in one batched matmul over K/V gathered
 through their block tables) and then prefill chunks (one SDPA call each; causal over the chunk plus the
 context already in the cache).
 """
@@ -24,16 +26,15 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool: key position < seq_len
+    decode_block_tables: torch.Tensor | None  # [B * max_blocks] long, flattened
+    decode_mask: torch.Tensor | None  # [1, B, 1, max_blocks * block_size] bool: key position < seq_len
     prefills: list[PrefillChunk]
 
 
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, kv_heads, head_dim], table [..., n] -> [..., kv_heads, n * block_size, head_dim]."""
-    blocks = cache[block_table]  # [..., n, block_size, kv_heads, head_dim]
-    *lead, n, block_size, kv_heads, head_dim = blocks.shape
-    return blocks.view(*lead, n * block_size, kv_heads, head_dim).transpose(-3, -2)
+def gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, len(block_ids) * block_size, head_dim]."""
+    kv_heads, _, block_size, head_dim = cache.shape
+    return cache.index_select(1, block_ids).view(kv_heads, -1, head_dim)
 
 
 class Attention(nn.Module):
@@ -48,18 +49,12 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
-        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        self.k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        self.v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
-        # decode
         nd = meta.num_decode_tokens
         if nd:
-            keys = gather_blocks(self.k_cache, meta.decode_block_tables)
-            values = gather_blocks(self.v_cache, meta.decode_block_tables)
-            out[:nd] = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True,
-            ).squeeze(2)
-        # prefill chunks
+            out[:nd] = self._decode(q[:nd], meta)
         for chunk in meta.prefills:
             query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
             if chunk.mask is None:
@@ -68,9 +63,21 @@ class Attention(nn.Module):
                 attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=self.scale,
                                                       enable_gqa=True)
             else:
-                keys = gather_blocks(self.k_cache, chunk.block_table).unsqueeze(0)
-                values = gather_blocks(self.v_cache, chunk.block_table).unsqueeze(0)
+                keys = gather(self.k_cache, chunk.block_table).unsqueeze(0)
+                values = gather(self.v_cache, chunk.block_table).unsqueeze(0)
                 attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=self.scale,
                                                       enable_gqa=True)
             out[chunk.start:chunk.end] = attn.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per request: scores [kv_heads, B, group, L] from one batched matmul over gathered blocks."""
+        batch = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys = gather(self.k_cache, meta.decode_block_tables).view(self.num_kv_heads, batch, -1, self.head_dim)
+        values = gather(self.v_cache, meta.decode_block_tables).view(self.num_kv_heads, batch, -1, self.head_dim)
+        query = q.view(batch, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(self.scale)
+        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1), values)  # [kv_heads, B, group, D]
+        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)

@@ -8,6 +8,7 @@ from inferno.layers.attention import AttentionMetadata, PrefillChunk
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
 from inferno.request import Request
+from inferno.worker.cpu_malloc import keep_freed_memory
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -22,7 +23,8 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
-        shape = (num_blocks, self.block_size, self.config.num_key_value_heads, self.config.head_dim)
+        keep_freed_memory()
+        shape = (self.config.num_key_value_heads, num_blocks, self.block_size, self.config.head_dim)
         # zeros, not empty: masked-out slots are still multiplied by zero weights, and stale NaN/inf garbage would
         # turn that into NaN
         for attn in model.attention_layers:
@@ -98,14 +100,12 @@ class ModelRunner:
         return PrefillChunk(start, start + n, num_computed, table, mask)
 
     def _decode_tables(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables padded to the longest request (with block 0, masked out), flattened; the key mask."""
         seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in requests])
         width = max(cdiv(r.num_computed_tokens + 1, self.block_size) for r in requests)
-        tables = torch.zeros(len(requests), width, dtype=torch.long)
-        for i, r in enumerate(requests):
-            blocks = r.block_ids[:width]
-            tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        tables = [r.block_ids[:width] + [0] * (width - min(width, len(r.block_ids))) for r in requests]
         mask = torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
-        return tables, mask[:, None, None, :]
+        return torch.tensor(tables, dtype=torch.long).view(-1), mask[None, :, None, :]
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]

@@ -1,0 +1,167 @@
+"""The FastAPI app: OpenAI routes, tokenizer routes, health and Prometheus metrics; `run_server` starts it."""
+import asyncio
+import secrets
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from inferno.config import EngineConfig
+from inferno.engine.async_llm import AsyncLLM
+from inferno.engine.llm_engine import LLMEngine
+from inferno.server.cli_args import ServerConfig
+from inferno.server.metrics import PrometheusStatLogger
+from inferno.server.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeChatRequest, TokenizeRequest,
+    TokenizeResponse)
+from inferno.server.serving import OpenAIError, OpenAIServing, server_error
+from inferno.server.serving_chat import ServingChat
+from inferno.server.serving_completion import ServingCompletion
+
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 500, 503)}
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <api_key>`, on /v1 and the tokenizer routes (pure ASGI: streams
+    and disconnects pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _needs_api_key(scope["path"]) and not self._authorized(scope):
+            error = OpenAIError("Incorrect or missing API key. Send it as `Authorization: Bearer <key>`.",
+                                status_code=401, code="invalid_api_key")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+
+
+def _needs_api_key(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
+              api_key: str | None = None) -> FastAPI:
+    """The app serving `async_llm`; the engine thread starts and stops with the app's lifespan."""
+    completions = ServingCompletion(async_llm, model_name)
+    chat = ServingChat(async_llm, model_name)
+    tokenizer = OpenAIServing(async_llm, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_llm.start()
+        yield
+        await asyncio.to_thread(async_llm.shutdown)
+
+    app = FastAPI(title="inferno", description="OpenAI-compatible LLM server", lifespan=lifespan)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> Response:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> Response:
+        return validation_error_of(error).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> Response:
+        return OpenAIError(str(error.detail), status_code=error.status_code).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, error: Exception) -> Response:
+        return server_error(f"internal error: {type(error).__name__}: {error}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_llm.is_running:
+            return server_error("the engine loop is not running").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, root=async_llm.engine.model_path, max_model_len=async_llm.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create(request, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create(request, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        tokenizer.check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            text = tokenizer.render_chat(request.messages, request.add_generation_prompt, request.tools,
+                                         request.chat_template_kwargs)
+        else:
+            text = request.prompt
+        token_ids = tokenizer.encode(text, request.add_special_tokens).token_ids
+        token_strs = [tokenizer.tokenizer.id_to_token(t) for t in token_ids] if request.return_token_strs else None
+        return TokenizeResponse(count=len(token_ids), max_model_len=async_llm.max_model_len, tokens=token_ids,
+                                token_strs=token_strs)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        tokenizer.check_model(request.model)
+        bad = next((t for t in request.tokens if t >= tokenizer.vocab_size), None)
+        if bad is not None:
+            raise OpenAIError(f"token id {bad} is out of range for vocabulary size {tokenizer.vocab_size}",
+                              param="tokens")
+        return DetokenizeResponse(prompt=tokenizer.tokenizer.decode(request.tokens, skip_special_tokens=False))
+
+    return app
+
+
+def validation_error_of(error: RequestValidationError) -> OpenAIError:
+    """A 400 naming the first offending top-level field (OpenAI's `param`), or the JSON that did not parse."""
+    problems = error.errors()
+    if any(p["type"] == "json_invalid" for p in problems):
+        detail = next(p for p in problems if p["type"] == "json_invalid").get("ctx", {}).get("error", "")
+        return OpenAIError(f"We could not parse the JSON body of your request: {detail}", code="invalid_json")
+    messages = []
+    for problem in problems[:3]:
+        loc = ".".join(str(part) for part in problem["loc"] if part != "body")
+        messages.append(f"{loc or 'body'}: {problem['msg']}")
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    loc = [part for part in problems[0]["loc"] if part != "body"] if problems else []
+    return OpenAIError("; ".join(messages) + more, param=str(loc[0]) if loc else None)
+
+
+def model_name_of(model_path: str) -> str:
+    """The default served name: a GGUF file's stem, or a Hugging Face folder's name."""
+    path = Path(model_path)
+    return path.stem if path.is_file() else path.name
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
+    engine = LLMEngine(engine_config)
+    model_name = config.served_model_name or model_name_of(engine.model_path)
+    disable_created_metrics()  # no `_created` series next to every counter and histogram
+    registry = CollectorRegistry()
+    async_llm = AsyncLLM(engine, config.max_waiting_requests, [PrometheusStatLogger(registry, model_name)])
+    app = build_app(async_llm, model_name, registry, config.api_key)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+                access_log=not config.disable_uvicorn_access_log, timeout_graceful_shutdown=5)

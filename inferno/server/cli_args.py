@@ -1,0 +1,40 @@
+"""`inferno serve` options beyond the engine's; kept free of server imports so the CLI starts fast."""
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the model file's stem
+    api_key: str | None = None
+    max_waiting_requests: int | None = None  # None: unbounded
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients send and see (default: the model file's stem)")
+    parser.add_argument("--api-key", default=os.environ.get("INFERNO_API_KEY"),
+                        help="require `Authorization: Bearer <key>` on /v1 and tokenizer routes "
+                             "(default: $INFERNO_API_KEY)")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="answer 503 when this many requests are waiting (default: unbounded)")
+    parser.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"max_waiting_requests must be at least 1, got {args.max_waiting_requests}")
+    return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                        api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
+                        uvicorn_log_level=args.uvicorn_log_level,
+                        disable_uvicorn_access_log=args.disable_uvicorn_access_log)

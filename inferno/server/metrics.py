@@ -1,0 +1,114 @@
+"""Prometheus metrics with vLLM's names under the `inferno:` prefix, recorded in the engine thread.
+
+Latencies (vLLM's definitions), in seconds, per request:
+  time_to_first_token = first output token - arrival; request_queue_time = first scheduled - arrival;
+  e2e_request_latency = finished - arrival; request_time_per_output_token = (last token - first token) /
+  (output tokens - 1); inter_token_latency = time between two outputs of a running request (one per step).
+"""
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from inferno.engine.async_llm import SchedulerStats
+from inferno.outputs import RequestOutput
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
+
+
+@dataclass(slots=True)
+class _RequestTimes:
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # sample index -> reason
+
+
+class PrometheusStatLogger:
+    """A StatLogger for AsyncLLM: gauges from the scheduler, counters and histograms from the outputs."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"inferno:{name}", doc, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"inferno:{name}", doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"inferno:{name}", doc, labels, buckets=buckets, registry=registry).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        request_success = Counter("inferno:request_success", "Count of successfully processed requests.",
+                                  ["model_name", "finished_reason"], registry=registry)
+        self.request_success = {reason: request_success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", TOKEN_BUCKETS)
+        self.time_per_output_token = histogram("request_time_per_output_token_seconds",
+                                               "Histogram of time_per_output_token_seconds per request.",
+                                               TOKEN_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Histogram of time spent in WAITING phase for request.",
+                                            REQUEST_BUCKETS)
+        self._num_preemptions = 0
+        self._requests: dict[str, _RequestTimes] = {}
+
+    def record(self, scheduler_stats: SchedulerStats, outputs: list[RequestOutput], ended: dict[str, str]) -> None:
+        self.num_requests_running.set(scheduler_stats.num_running_reqs)
+        self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+        if scheduler_stats.num_preemptions > self._num_preemptions:
+            self.num_preemptions.inc(scheduler_stats.num_preemptions - self._num_preemptions)
+            self._num_preemptions = scheduler_stats.num_preemptions
+        now = time.time()
+        for output in outputs:
+            self._record_output(output, now)
+        for request_id, reason in ended.items():
+            self._requests.pop(request_id, None)
+            self.request_success[reason].inc()
+
+    def _record_output(self, output: RequestOutput, now: float) -> None:
+        times = self._requests.get(output.request_id)
+        if times is None:
+            times = self._requests[output.request_id] = _RequestTimes()
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+        num_new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        metrics = output.metrics
+        if num_new_tokens:
+            self.generation_tokens.inc(num_new_tokens)
+            if times.first_token_time is None:
+                times.first_token_time = now
+                if metrics is not None:
+                    self.time_to_first_token.observe(now - metrics.arrival_time)
+                    if metrics.first_scheduled_time is not None:
+                        self.request_queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+            else:
+                self.inter_token_latency.observe(now - times.last_token_time)
+            times.last_token_time = now
+            times.num_generation_tokens += num_new_tokens
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                times.finish_reasons[completion.index] = completion.finish_reason
+        if not output.finished:
+            return
+        del self._requests[output.request_id]
+        reason = times.finish_reasons.get(0) or next(iter(times.finish_reasons.values()), "stop")
+        self.request_success[reason].inc()
+        if metrics is not None:
+            self.e2e_request_latency.observe(now - metrics.arrival_time)
+        if times.num_generation_tokens > 1:
+            self.time_per_output_token.observe(
+                (times.last_token_time - times.first_token_time) / (times.num_generation_tokens - 1))

@@ -1,0 +1,106 @@
+"""AsyncLLM in-process: concurrent streams, aborts that free blocks, engine failures that end only their requests."""
+import asyncio
+
+import pytest
+
+from inferno import LLMEngine, SamplingParams
+from inferno.config import EngineConfig
+from inferno.engine.async_llm import AsyncLLM, RequestFailedError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(max_model_len=256, kv_cache_memory=64 << 20))
+
+
+def run(engine: LLMEngine, scenario) -> None:
+    """Run `scenario(async_llm)` on a fresh event loop with the engine thread started and stopped around it."""
+    async def main() -> None:
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        try:
+            await scenario(async_llm)
+        finally:
+            await asyncio.to_thread(async_llm.shutdown)
+    asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+async def collect(async_llm: AsyncLLM, prompt: str, request_id: str, params: SamplingParams = GREEDY) -> list[int]:
+    return [t async for output in async_llm.generate(prompt, params, request_id) for t in output.outputs[0].token_ids]
+
+
+def test_concurrent_streams_get_their_own_tokens(engine):
+    async def scenario(async_llm: AsyncLLM) -> None:
+        alone = await collect(async_llm, "One two three", "alone")
+        together = await asyncio.gather(*(collect(async_llm, "One two three", f"r{i}") for i in range(4)))
+        assert together == [alone] * 4 and len(alone) == 6
+    run(engine, scenario)
+
+
+def test_add_request_error_reaches_the_caller(engine):
+    async def scenario(async_llm: AsyncLLM) -> None:
+        with pytest.raises(ValueError, match="max_model_len"):
+            await async_llm.add_request("long", {"prompt_token_ids": [1] * 300}, GREEDY)
+        assert len(await collect(async_llm, "Still serving", "next")) == 6
+    run(engine, scenario)
+
+
+def test_abort_ends_the_stream_and_frees_blocks(engine):
+    async def scenario(async_llm: AsyncLLM) -> None:
+        stream = await async_llm.add_request("long", "Count with me:", SamplingParams(max_tokens=200, ignore_eos=True))
+        await anext(stream)
+        async_llm.abort("long")
+        assert [output async for output in stream if output.finished] == []
+        assert stream.finished
+    run(engine, scenario)
+
+
+def test_leaving_generate_early_aborts(engine):
+    async def scenario(async_llm: AsyncLLM) -> None:
+        outputs = async_llm.generate("Count with me:", SamplingParams(max_tokens=200, ignore_eos=True), "early")
+        await anext(outputs)
+        await outputs.aclose()
+        await collect(async_llm, "Flush", "after")  # runs after the abort was applied
+    run(engine, scenario)
+
+
+def test_a_failed_model_step_ends_its_requests_and_serving_goes_on(engine, monkeypatch):
+    execute_model = engine.model_runner.execute_model
+    calls = {"n": 0}
+
+    def fail_once(sched):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected kernel failure")
+        return execute_model(sched)
+
+    async def scenario(async_llm: AsyncLLM) -> None:
+        with pytest.raises(RequestFailedError, match="injected kernel failure"):
+            await collect(async_llm, "Doomed", "doomed")
+        assert len(await collect(async_llm, "Survivor", "survivor")) == 6
+
+    monkeypatch.setattr(engine.model_runner, "execute_model", fail_once)
+    run(engine, scenario)
+
+
+def test_a_crashing_engine_step_ends_what_is_in_flight_and_serving_goes_on(engine, monkeypatch):
+    step = engine.step
+    calls = {"n": 0}
+
+    def crash_once():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected scheduler bug")
+        return step()
+
+    async def scenario(async_llm: AsyncLLM) -> None:
+        with pytest.raises(RequestFailedError, match="injected scheduler bug"):
+            await collect(async_llm, "Doomed", "doomed")
+        assert len(await collect(async_llm, "Survivor", "survivor")) == 6
+
+    monkeypatch.setattr(engine, "step", crash_once)
+    run(engine, scenario)
