@@ -67,7 +67,8 @@ class SamplingParams:
               "logprobs", "must be non-negative")
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
               "prompt_logprobs", "must be non-negative")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64), "seed",
+              "must be an integer in [-2**63, 2**64)")
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "must be non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")

@@ -29,4 +29,4 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return (self.num_blocks - self.num_free_blocks) / self.num_blocks

@@ -84,11 +84,22 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is out of range for vocabulary size {vocab}")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: values measured against this model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, got {params.stop_token_ids}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_params(params)
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         arrival_time = arrival_time or time.time()

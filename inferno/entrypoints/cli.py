@@ -37,12 +37,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=args.stop, output_kind=RequestOutputKind.DELTA)
+                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                          output_kind=RequestOutputKind.DELTA)
 
 
 def stream(engine: LLMEngine, prompt: str | dict, params: SamplingParams) -> str:
@@ -120,3 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args)
     except ValueError as e:
         parser.exit(2, f"inferno: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

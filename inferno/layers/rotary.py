@@ -1,4 +1,9 @@
-"""Rotary position embeddings (rotate-half layout), with Llama-3 frequency scaling."""
+"""Rotary position embeddings with Llama-3 frequency scaling.
+
+Q/K head dimensions are kept in the interleaved layout (rotation pairs are adjacent: dims 2i, 2i+1), so the
+rotation is one complex multiply. Loaders convert checkpoints in Hugging Face's rotate-half layout with
+`interleave_rotary_rows`; q·k is unchanged because queries and keys are permuted alike.
+"""
 import math
 
 import torch
@@ -34,20 +39,24 @@ class RotaryEmbedding(nn.Module):
     def _build_cache(self) -> None:
         t = torch.arange(self.max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, self.inv_freq)
-        self.cos_cache = freqs.cos()
-        self.sin_cache = freqs.sin()
+        self.cis_cache = torch.polar(torch.ones_like(freqs), freqs)  # cos + i sin
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """GGUF llama-3 files carry per-frequency divisors (`rope_freqs.weight`) instead of a config."""
         self.inv_freq = self.inv_freq / factors.float()
         self._build_cache()
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token cos/sin, shaped [T, 1, head_dim // 2] to broadcast over heads."""
-        return self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype)
+    def rotations(self, positions: torch.Tensor) -> torch.Tensor:
+        """Per-token unit complex rotations, [T, 1, head_dim // 2] to broadcast over heads."""
+        return self.cis_cache[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] in rotate-half layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] in the interleaved layout -> rotated copy."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
+
+
+def interleave_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows of a Q/K projection (weight or bias) from rotate-half order to interleaved order, per head."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,4 +1,5 @@
-"""GGUF files: model config from the metadata, tensors dequantized with the `gguf` package under HF names."""
+"""GGUF files: model config from the metadata, tensors dequantized with the `gguf` package under HF names
+and in HF's layout (so every loader hands the model the same thing)."""
 from collections.abc import Iterator
 
 import gguf
@@ -70,7 +71,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
 
 
 def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaved-rotary row order, back to the rotate-half layout."""
+    """Undo llama.cpp's interleaved-rotary row order, back to Hugging Face's rotate-half layout."""
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 

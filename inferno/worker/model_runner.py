@@ -120,6 +120,8 @@ class ModelRunner:
 
         def column(name: str, off, dtype) -> torch.Tensor | None:
             values = [getattr(p, name) for p in params]
+            if name == "top_k":
+                values = [min(k, self.config.vocab_size) for k in values]
             return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype)
 
         def penalty(name: str) -> torch.Tensor | None:
