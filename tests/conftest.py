@@ -39,7 +39,7 @@ def prefill_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
         chunk = runner._prefill_chunk(0, len(token_ids), 0, req.block_ids)
         bs = engine.config.block_size
         slots = [req.block_ids[p // bs] * bs + p % bs for p in range(len(token_ids))]
-        meta = AttentionMetadata(torch.tensor(slots), 0, None, None, [chunk])
+        meta = AttentionMetadata(torch.tensor(slots), [], [chunk])
         hidden = runner.model(torch.tensor(token_ids), torch.arange(len(token_ids)), meta)
         return runner.model.compute_logits(hidden)
     finally:

@@ -2,9 +2,9 @@
 
 The cache of one layer is head-major, `[num_kv_heads, num_blocks, block_size, head_dim]`, so gathering a
 request's blocks yields K/V already laid out as `[kv_heads, tokens, head_dim]` for batched matmuls.
-One flat batch holds decode tokens first (one query each, attended in one batched matmul over K/V gathered
-through their block tables) and then prefill chunks (one SDPA call each; causal over the chunk plus the
-context already in the cache).
+One flat batch holds decode tokens first (one query each; sorted by length and attended in groups, each one
+batched matmul over K/V gathered through the group's block tables, padded to its longest member) and then
+prefill chunks (one SDPA call each; causal over the chunk plus the context already in the cache).
 """
 from dataclasses import dataclass
 
@@ -18,23 +18,38 @@ class PrefillChunk:
     start: int  # first token of the chunk in the flat batch
     end: int
     num_computed_tokens: int  # tokens of this request already in the cache before the chunk
-    block_table: torch.Tensor  # [num_blocks] long
+    block_rows: torch.Tensor  # rows of the flattened cache holding this request's blocks (see block_rows)
     mask: torch.Tensor | None  # [chunk, context] bool; None when there is no earlier context (plain causal)
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    start: int  # decode tokens [start, end) of the flat batch
+    end: int
+    block_rows: torch.Tensor  # [kv_heads * (end - start) * width] rows of the flattened cache (see block_rows)
+    mask: torch.Tensor  # [1, end - start, 1, width * block_size] bool: key position < seq_len
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
-    num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [B * max_blocks] long, flattened
-    decode_mask: torch.Tensor | None  # [1, B, 1, max_blocks * block_size] bool: key position < seq_len
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.decode_groups[-1].end if self.decode_groups else 0
 
-def gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, len(block_ids) * block_size, head_dim]."""
-    kv_heads, _, block_size, head_dim = cache.shape
-    return cache.index_select(1, block_ids).view(kv_heads, -1, head_dim)
+
+def block_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Row indices into a cache viewed as [kv_heads * num_blocks, block_size * head_dim], head-major."""
+    return (torch.arange(num_kv_heads).unsqueeze(1) * num_blocks + block_ids.view(1, -1)).view(-1)
+
+
+def gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, tokens, head_dim] (one 2-D row gather)."""
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
+    return cache.view(kv_heads * num_blocks, block_size * head_dim).index_select(0, rows).view(kv_heads, -1, head_dim)
 
 
 class Attention(nn.Module):
@@ -52,9 +67,8 @@ class Attention(nn.Module):
         self.k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         self.v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = self._decode(q[:nd], meta)
+        for group in meta.decode_groups:
+            out[group.start:group.end] = self._decode(q[group.start:group.end], group)
         for chunk in meta.prefills:
             query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
             if chunk.mask is None:
@@ -63,21 +77,21 @@ class Attention(nn.Module):
                 attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=self.scale,
                                                       enable_gqa=True)
             else:
-                keys = gather(self.k_cache, chunk.block_table).unsqueeze(0)
-                values = gather(self.v_cache, chunk.block_table).unsqueeze(0)
+                keys = gather(self.k_cache, chunk.block_rows).unsqueeze(0)
+                values = gather(self.v_cache, chunk.block_rows).unsqueeze(0)
                 attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=self.scale,
                                                       enable_gqa=True)
             out[chunk.start:chunk.end] = attn.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One query per request: scores [kv_heads, B, group, L] from one batched matmul over gathered blocks."""
+    def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """One query per request: scores [kv_heads, B, q_per_kv, L] from one batched matmul over gathered blocks."""
         batch = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        keys = gather(self.k_cache, meta.decode_block_tables).view(self.num_kv_heads, batch, -1, self.head_dim)
-        values = gather(self.v_cache, meta.decode_block_tables).view(self.num_kv_heads, batch, -1, self.head_dim)
-        query = q.view(batch, self.num_kv_heads, group, self.head_dim).transpose(0, 1)
+        q_per_kv = self.num_heads // self.num_kv_heads
+        keys = gather(self.k_cache, group.block_rows).view(self.num_kv_heads, batch, -1, self.head_dim)
+        values = gather(self.v_cache, group.block_rows).view(self.num_kv_heads, batch, -1, self.head_dim)
+        query = q.view(batch, self.num_kv_heads, q_per_kv, self.head_dim).transpose(0, 1)
         scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(self.scale)
-        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        scores.masked_fill_(~group.mask, float("-inf"))
         out = torch.matmul(scores.softmax(dim=-1), values)  # [kv_heads, B, group, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)

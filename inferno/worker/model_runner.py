@@ -4,11 +4,14 @@ import torch
 from inferno.config import EngineConfig, ModelConfig
 from inferno.engine.kv_cache_manager import cdiv
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from inferno.layers.attention import AttentionMetadata, PrefillChunk
+from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
 from inferno.request import Request
 from inferno.worker.cpu_malloc import keep_freed_memory
+
+
+DECODE_GROUP_SIZE = 32  # decodes sorted by length are attended in groups, each padded to its longest member
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -21,6 +24,7 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.block_size = engine_config.block_size
+        self.num_blocks = num_blocks
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         keep_freed_memory()
@@ -39,7 +43,9 @@ class ModelRunner:
         prompt_logprob_rows: list[tuple[Request, list[int], list[int]]] = []
         decode_requests: list[Request] = []
         prefills: list[PrefillChunk] = []
-        for req, n in zip(sched.requests, sched.num_scheduled_tokens):
+        # decodes first, shortest first (so each attention group pads little), then prefill chunks
+        order = sorted(zip(sched.requests, sched.num_scheduled_tokens), key=lambda rn: (rn[1] > 1, rn[0].num_tokens))
+        for req, n in order:
             start = len(input_ids)
             c = req.num_computed_tokens
             pos = range(c, c + n)
@@ -62,12 +68,9 @@ class ModelRunner:
                     prompt_logprob_rows.append((req, [start + p - c for p in targets],
                                                 [req.token_ids[p + 1] for p in targets]))
 
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-            num_decode_tokens=len(decode_requests),
-            decode_block_tables=None, decode_mask=None, prefills=prefills)
-        if decode_requests:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decode_requests)
+        groups = [self._decode_group(i, decode_requests[i:i + DECODE_GROUP_SIZE])
+                  for i in range(0, len(decode_requests), DECODE_GROUP_SIZE)]
+        meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta)
 
         out = ModelRunnerOutput(sampled_token_ids={})
@@ -90,6 +93,9 @@ class ModelRunner:
                 result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
         return out
 
+    def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return block_rows(block_ids, self.config.num_key_value_heads, self.num_blocks)
+
     def _prefill_chunk(self, start: int, n: int, num_computed: int, block_ids: list[int]) -> PrefillChunk:
         table = torch.tensor(block_ids[:cdiv(num_computed + n, self.block_size)], dtype=torch.long)
         mask = None
@@ -97,15 +103,16 @@ class ModelRunner:
             keys = torch.arange(len(table) * self.block_size)
             queries = torch.arange(num_computed, num_computed + n)
             mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
-        return PrefillChunk(start, start + n, num_computed, table, mask)
+        return PrefillChunk(start, start + n, num_computed, self._rows(table), mask)
 
-    def _decode_tables(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables padded to the longest request (with block 0, masked out), flattened; the key mask."""
+    def _decode_group(self, start: int, requests: list[Request]) -> DecodeGroup:
+        """Block tables padded to the group's longest request (with block 0, masked out) and the key mask."""
         seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in requests])
         width = max(cdiv(r.num_computed_tokens + 1, self.block_size) for r in requests)
         tables = [r.block_ids[:width] + [0] * (width - min(width, len(r.block_ids))) for r in requests]
         mask = torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
-        return torch.tensor(tables, dtype=torch.long).view(-1), mask[None, :, None, :]
+        rows = self._rows(torch.tensor(tables, dtype=torch.long))
+        return DecodeGroup(start, start + len(requests), rows, mask[None, :, None, :])
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
