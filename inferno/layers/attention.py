@@ -2,15 +2,18 @@
 
 The cache of one layer is head-major, `[num_kv_heads, num_blocks, block_size, head_dim]`, so gathering a
 request's blocks yields K/V already laid out as `[kv_heads, tokens, head_dim]` for batched matmuls.
-One flat batch holds decode tokens first (one query each; sorted by length and attended in groups, each one
-batched matmul over K/V gathered through the group's block tables, padded to its longest member) and then
-prefill chunks (one SDPA call each; causal over the chunk plus the context already in the cache).
+One flat batch holds decode tokens first (one query each) and then prefill chunks (one SDPA call each; causal
+over the chunk plus the context already in the cache). Decodes run in the native kernel, which reads K/V through
+the block tables in place; without it, they are sorted by length and attended in groups, each one batched
+matmul over K/V gathered through the group's block tables, padded to its longest member.
 """
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from inferno.kernels import paged_attention
 
 
 @dataclass(slots=True)
@@ -26,8 +29,12 @@ class PrefillChunk:
 class DecodeGroup:
     start: int  # decode tokens [start, end) of the flat batch
     end: int
-    block_rows: torch.Tensor  # [kv_heads * (end - start) * width] rows of the flattened cache (see block_rows)
-    mask: torch.Tensor  # [1, end - start, 1, width * block_size] bool: key position < seq_len
+    block_tables: torch.Tensor  # [end - start, width] long, padded with block 0
+    seq_lens: torch.Tensor  # [end - start] long
+    # PyTorch path only: [kv_heads * (end - start) * width] rows of the flattened cache (see block_rows) and
+    # [1, end - start, 1, width * block_size] bool: key position < seq_len
+    block_rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +68,7 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kernels = paged_attention()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
@@ -85,6 +93,12 @@ class Attention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        if group.block_rows is None:
+            return self.kernels.paged_decode_attention(q.contiguous(), self.k_cache, self.v_cache, group.block_tables,
+                                                       group.seq_lens, self.scale)
+        return self._decode_gathered(q, group)
+
+    def _decode_gathered(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """One query per request: scores [kv_heads, B, q_per_kv, L] from one batched matmul over gathered blocks."""
         batch = q.shape[0]
         q_per_kv = self.num_heads // self.num_kv_heads

@@ -4,6 +4,7 @@ import torch
 from inferno.config import EngineConfig, ModelConfig
 from inferno.engine.kv_cache_manager import cdiv
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.kernels import paged_attention
 from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
@@ -11,7 +12,7 @@ from inferno.request import Request
 from inferno.worker.cpu_malloc import keep_freed_memory
 
 
-DECODE_GROUP_SIZE = 32  # decodes sorted by length are attended in groups, each padded to its longest member
+DECODE_GROUP_SIZE = 32  # PyTorch path: decodes sorted by length are attended in groups padded to their longest
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -25,6 +26,7 @@ class ModelRunner:
         self.config = model.config
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
+        self.use_kernels = paged_attention() is not None
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         keep_freed_memory()
@@ -68,8 +70,9 @@ class ModelRunner:
                     prompt_logprob_rows.append((req, [start + p - c for p in targets],
                                                 [req.token_ids[p + 1] for p in targets]))
 
-        groups = [self._decode_group(i, decode_requests[i:i + DECODE_GROUP_SIZE])
-                  for i in range(0, len(decode_requests), DECODE_GROUP_SIZE)]
+        group_size = max(len(decode_requests), 1) if self.use_kernels else DECODE_GROUP_SIZE
+        groups = [self._decode_group(i, decode_requests[i:i + group_size])
+                  for i in range(0, len(decode_requests), group_size)]
         meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta)
 
@@ -106,13 +109,16 @@ class ModelRunner:
         return PrefillChunk(start, start + n, num_computed, self._rows(table), mask)
 
     def _decode_group(self, start: int, requests: list[Request]) -> DecodeGroup:
-        """Block tables padded to the group's longest request (with block 0, masked out) and the key mask."""
+        """Block tables padded to the group's longest request (with block 0, masked out) and sequence lengths."""
         seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in requests])
         width = max(cdiv(r.num_computed_tokens + 1, self.block_size) for r in requests)
-        tables = [r.block_ids[:width] + [0] * (width - min(width, len(r.block_ids))) for r in requests]
-        mask = torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1)
-        rows = self._rows(torch.tensor(tables, dtype=torch.long))
-        return DecodeGroup(start, start + len(requests), rows, mask[None, :, None, :])
+        tables = torch.tensor([r.block_ids[:width] + [0] * (width - min(width, len(r.block_ids))) for r in requests],
+                              dtype=torch.long)
+        group = DecodeGroup(start, start + len(requests), tables, seq_lens)
+        if not self.use_kernels:
+            group.block_rows = self._rows(tables)
+            group.mask = (torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
+        return group
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
