@@ -45,7 +45,6 @@ class EngineConfig:
     max_num_seqs: int = 256
     num_threads: int | None = None
     seed: int = 0
-    disable_log_stats: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -46,4 +46,3 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
-    num_cached_tokens: int = 0

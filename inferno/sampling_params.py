@@ -1,5 +1,5 @@
 """Sampling parameters with vLLM's names, defaults and validation."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -79,6 +79,5 @@ class SamplingParams:
 
     def child(self, index: int) -> "SamplingParams":
         """Parameters for sample `index` of an n > 1 request (seed offset so samples differ)."""
-        from dataclasses import replace
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)

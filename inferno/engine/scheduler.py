@@ -64,8 +64,8 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
-        requests = sorted((self.requests[i] for i in scheduled), key=lambda r: scheduled[r.request_id] > 1)
-        return SchedulerOutput(requests, [scheduled[r.request_id] for r in requests], preempted)
+        requests = [self.requests[i] for i in scheduled]
+        return SchedulerOutput(requests, list(scheduled.values()), preempted)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -8,7 +8,7 @@ from inferno.request import Request
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    requests: list[Request]  # decodes (one token) first, then prefill chunks
+    requests: list[Request]  # in scheduling order; the model runner arranges the flat batch
     num_scheduled_tokens: list[int]  # parallel to `requests`
     preempted: list[Request] = field(default_factory=list)
 
