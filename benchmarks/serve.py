@@ -27,7 +27,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-SECTION_START, SECTION_END = "<!-- serve:start -->", "<!-- serve:end -->"
+from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
+
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "number group problem fact river mountain light music garden window story answer question paper "
          "market energy engine model token cache batch stream signal value table letter voice city").split()
@@ -228,18 +229,6 @@ def report(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, body: str) -> None:
-    """Put `body` between the serve markers of `path`, leaving every other section as it was."""
-    section = f"{SECTION_START}\n{body.rstrip()}\n{SECTION_END}"
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main() -> None:
     args = parse_args()
     load_before = os.getloadavg()[0]
@@ -260,7 +249,7 @@ def main() -> None:
                 f"{args.max_concurrency or 'unbounded'}; {platform.machine()}, {os.cpu_count()} CPUs "
                 f"(1-minute load average {load_before:.1f} before the run; the machine is shared).\n\n"
                 f"```\n{args.server_command or '# server started separately'}\n{command}\n```\n\n{table}")
-        write_section(Path(args.results_md), body)
+        write_section(Path(args.results_md), "serve", body)
 
 
 if __name__ == "__main__":

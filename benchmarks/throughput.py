@@ -37,8 +37,8 @@ import torch
 
 from inferno import LLM, SamplingParams
 from inferno.loader.tokenizer import Tokenizer
+from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
 
-SECTION_START, SECTION_END = "<!-- throughput:start -->", "<!-- throughput:end -->"
 
 
 @dataclass(slots=True)
@@ -237,15 +237,6 @@ def report(args: argparse.Namespace, model_path: str, runs: list[Throughput], si
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, body: str) -> None:
-    section = f"{SECTION_START}\n{body.rstrip()}\n{SECTION_END}\n"
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1].removeprefix("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 @torch.inference_mode()
@@ -281,7 +272,7 @@ def main() -> None:
     body = report(args, model_path, runs, singles, notes)
     print("\n" + body)
     if args.output:
-        write_section(Path(args.output), body)
+        write_section(Path(args.output), "throughput", body)
         print(f"updated {args.output}")
     if args.json:
         throughput = [asdict(r) | {"output_tps": r.output_tps, "total_tps": r.total_tps} for r in runs]
