@@ -219,10 +219,7 @@ class AsyncLLM:
                     stream = self._streams.pop(request_id, None)
                     if stream is None:
                         continue
-                    try:
-                        self.engine.abort_request(request_id)
-                    except Exception:
-                        logger.exception("could not abort request %s", request_id)
+                    self._abort_in_engine(request_id)
                     ended[request_id] = "abort"
                     callbacks.append(partial(stream.put, None))
                 case _Shutdown():
@@ -257,14 +254,17 @@ class AsyncLLM:
         self._record_stats(outputs, ended)
         self._dispatch(callbacks)
 
+    def _abort_in_engine(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("could not abort request %s", request_id)
+
     def _end_all(self, error: Exception) -> None:
         callbacks: list[Callable[[], None]] = []
         ended: dict[str, str] = {}
         for request_id, stream in self._streams.items():
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("could not abort request %s", request_id)
+            self._abort_in_engine(request_id)
             ended[request_id] = "error"
             callbacks.append(partial(stream.put, error))
         self._streams.clear()

@@ -101,9 +101,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req in self.waiting:
+        if req.status != RequestStatus.RUNNING and req in self.waiting:
             self.waiting.remove(req)
         if not req.is_finished:
             req.status = status
@@ -111,6 +109,7 @@ class Scheduler:
         return req
 
     def _free(self, req: Request) -> None:
+        """Take a finished request out of the running batch and give its blocks back."""
         if req in self.running:
             self.running.remove(req)
         self.kv_cache_manager.free(req)
