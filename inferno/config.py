@@ -43,6 +43,7 @@ class EngineConfig:
     kv_cache_memory: int = 4 << 30  # bytes for the KV cache pool (vLLM's CPU default is 4 GiB)
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0
 

@@ -4,6 +4,7 @@ import time
 
 import torch
 
+from inferno.engine.block_pool import BlockHash
 from inferno.outputs import PositionLogprobs, RequestMetrics
 from inferno.sampling_params import SamplingParams
 
@@ -32,7 +33,8 @@ FINISH_REASONS = {
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: set[int], max_model_len: int, arrival_time: float | None = None):
+                 eos_token_ids: set[int], max_model_len: int, arrival_time: float | None = None,
+                 beam_search_id: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
@@ -43,6 +45,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.block_hashes: list[BlockHash] = []  # prefix-cache identity of each full block of token_ids
+        self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        self.beam_search_id = beam_search_id  # a beam's search picks its next token, not the scheduler
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0

@@ -30,6 +30,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # beam search (HF transformers' semantics): n beams, all returned best first; sampling knobs are ignored
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +76,15 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "must be non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
+        check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'")
+        if self.use_beam_search:
+            unsupported = {"logprobs": self.logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
+                           "stop": bool(self.stop_strings), "min_tokens": self.min_tokens > 0,
+                           "presence_penalty": self.presence_penalty != 0.0,
+                           "frequency_penalty": self.frequency_penalty != 0.0,
+                           "repetition_penalty": self.repetition_penalty != 1.0}
+            for name, used in unsupported.items():
+                check(not used, name, "is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:

@@ -1,5 +1,10 @@
-"""Gives each request the KV blocks its tokens need, and takes them back."""
-from inferno.engine.block_pool import BlockPool
+"""Gives each request the KV blocks its tokens need, reuses cached prefixes, forks block tables, takes blocks back.
+
+Block tables can share blocks: prefix-cache hits share full blocks between requests with the same prefix, and
+forks (the samples of an n > 1 request, beams) share their parent's blocks. A shared block is never written:
+before a request writes into a partial block someone else holds, it gets a private copy (copy-on-write).
+"""
+from inferno.engine.block_pool import BlockHash, BlockPool, hash_block
 from inferno.request import Request
 
 
@@ -8,9 +13,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
+        self.block_copies: list[tuple[int, int]] = []  # (source, destination) to copy before the next forward
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found
 
     @property
     def num_free_blocks(self) -> int:
@@ -20,16 +29,97 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens of `request`; False (nothing changed) if blocks ran out."""
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(request.block_ids)
-        if needed <= 0:
-            return True
-        if needed > self.block_pool.num_free_blocks:
+    def get_computed_blocks(self, request: Request) -> list[int] | None:
+        """The longest run of cached full blocks at the start of a request that has no blocks yet; None when the
+        request does not use the prefix cache. The last token is always left to compute: it yields the logits."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return None
+        assert not request.block_ids
+        blocks = []
+        for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block = self.block_pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of `request`, after the prefix-cache hit `computed_blocks`
+        of a request being admitted; False (nothing changed) if blocks ran out."""
+        hits = computed_blocks or []
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(hits))
+        copy = num_new_tokens > 0 and self._shared_partial_block(request) is not None
+        reclaimed = sum(1 for b in hits if self.block_pool.ref_cnt[b] == 0)  # cached blocks sitting in the free queue
+        if needed + copy > self.block_pool.num_free_blocks - reclaimed:
             return False
-        request.block_ids.extend(self.block_pool.allocate(needed))
+        if computed_blocks is not None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_size
+            self.block_pool.touch(hits)
+            request.block_ids = list(hits)
+            request.num_cached_blocks = len(hits)
+            request.num_computed_tokens = num_computed
+        if copy:
+            self._copy_on_write(request)
+        if needed:
+            request.block_ids.extend(self.block_pool.allocate(needed))
         return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_cached_blocks:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            self.block_pool.cache(request.block_ids[i], hashes[i])
+        request.num_cached_blocks = num_full
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Give `child` the parent's K/V for its first `num_tokens` tokens by sharing the blocks holding them."""
+        shared = parent.block_ids[:cdiv(num_tokens, self.block_size)]
+        self.block_pool.touch(shared)
+        child.block_ids = list(shared)
+        num_full = num_tokens // self.block_size
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+        child.num_computed_tokens = num_tokens
 
     def free(self, request: Request) -> None:
         self.block_pool.free(request.block_ids)
         request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self.block_copies = self.block_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> int:
+        return self.block_pool.reset_prefix_cache()
+
+    def _shared_partial_block(self, request: Request) -> int | None:
+        """Index in the block table of the block the next token is written to, if another request holds it too."""
+        index = request.num_computed_tokens // self.block_size
+        if index < len(request.block_ids) and self.block_pool.ref_cnt[request.block_ids[index]] > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, request: Request) -> None:
+        index = self._shared_partial_block(request)
+        source = request.block_ids[index]
+        (copy,) = self.block_pool.allocate(1)
+        self.block_pool.free([source])
+        request.block_ids[index] = copy
+        self.block_copies.append((source, copy))
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The request's first `num_blocks` full-block hashes, computed once and kept on the request."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]

@@ -6,10 +6,12 @@ from dataclasses import replace
 import torch
 
 from inferno.config import EngineConfig
+from inferno.engine.beam_search import BeamSearch
 from inferno.engine.kv_cache_manager import KVCacheManager
 from inferno.engine.output_processor import OutputProcessor, RequestState, SampleState
 from inferno.engine.detokenizer import IncrementalDetokenizer
 from inferno.engine.scheduler import Scheduler
+from inferno.engine.scheduler_output import ModelRunnerOutput
 from inferno.loader.model_loader import load_model
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
@@ -36,10 +38,11 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one KV block")
         self.num_blocks = num_blocks
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.model_runner = ModelRunner(loaded.model, config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.beam_searches: dict[str, BeamSearch] = {}
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
@@ -97,12 +100,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
-        if self.output_processor.has_request(request_id):
+        if self.output_processor.has_request(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_params(params)
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         arrival_time = arrival_time or time.time()
+        if params.use_beam_search:
+            search = BeamSearch(request_id, text, token_ids, params, self.tokenizer.eos_token_ids,
+                                self.max_model_len, arrival_time)
+            self.beam_searches[request_id] = search
+            self.scheduler.add_request(search.requests[0])
+            return
         state = RequestState(request_id, text, token_ids, params)
         for index in range(params.n):
             child_params = params if params.n == 1 else params.child(index)
@@ -113,11 +122,15 @@ class LLMEngine:
                           arrival_time)
             state.samples.append(SampleState(index, req, IncrementalDetokenizer(self.tokenizer, child_params)))
         self.output_processor.add_request(state)
-        for sample in state.samples:
-            self.scheduler.add_request(sample.request)
+        leader = state.samples[0].request
+        for sample in state.samples:  # the other samples fork the first one's prompt
+            self.scheduler.add_request(sample.request, fork_of=None if sample.index == 0 else leader)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
+            search = self.beam_searches.pop(rid, None)
+            if search is not None:
+                search.finish(self.scheduler, RequestStatus.FINISHED_ABORTED)
             state = self.output_processor.states.pop(rid, None)
             if state is None:
                 continue
@@ -129,7 +142,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.states)
+        return len(self.output_processor.states) + len(self.beam_searches)
 
     # one step
     def step(self) -> list[RequestOutput]:
@@ -142,20 +155,49 @@ class LLMEngine:
             logger.exception("model step failed; ending the %d requests in it", len(sched.requests))
             return self._fail(sched.requests, f"{type(e).__name__}: {e}")
         updated = self.scheduler.update_from_output(sched, output)
+        beams = [req for req in updated if req.beam_search_id is not None]
+        outputs = self._advance_beam_searches(beams, output) if beams else []
+        updated = [req for req in updated if req.beam_search_id is None]
         self.output_processor.record_logprobs(output)
         for req in updated:
             stop = self.output_processor.detokenize(req)
             if stop is not None:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        return self.output_processor.make_outputs(updated)
+        return outputs + self.output_processor.make_outputs(updated)
+
+    def _advance_beam_searches(self, beams: list[Request], output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Hand each beam's log-probabilities to its search; a search whose beams have all reported advances."""
+        touched: dict[str, BeamSearch] = {}
+        for req in beams:
+            search = self.beam_searches[req.beam_search_id]
+            search.record(req, output.logprobs.pop(req.request_id))
+            touched[search.request_id] = search
+        outputs = []
+        for search in touched.values():
+            if search.ready and search.advance(self.scheduler):
+                del self.beam_searches[search.request_id]
+                outputs.append(search.output(self.tokenizer))
+        return outputs
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        outputs, samples = [], []
         for req in requests:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
-            _, sample = self.output_processor.sample_of[req.request_id]
-            sample.error = message
-        return self.output_processor.make_outputs(requests)
+            search = self.beam_searches.pop(req.beam_search_id, None) if req.beam_search_id is not None else None
+            if search is not None:
+                search.error = message
+                search.finish(self.scheduler, RequestStatus.FINISHED_ERROR)
+                outputs.append(search.output(self.tokenizer))
+            elif req.beam_search_id is None:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+                _, sample = self.output_processor.sample_of[req.request_id]
+                sample.error = message
+                samples.append(req)
+        return outputs + self.output_processor.make_outputs(samples)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were cached."""
+        return self.scheduler.reset_prefix_cache()
 
     # stats
     @property

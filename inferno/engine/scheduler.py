@@ -1,7 +1,9 @@
 """Iteration-level scheduler: one token budget per step, decodes first, then waiting requests FCFS.
 
 Every request has `num_computed_tokens` and `num_tokens`; a step hands out tokens so that computed catches up.
-Prefill, chunked prefill, decode and recompute after preemption are all the same mechanism.
+Prefill, chunked prefill, decode and recompute after preemption are all the same mechanism. A request admitted
+from the waiting queue starts after its longest prefix-cache hit. The samples of an n > 1 request wait until the
+first sample has computed the prompt, then fork its blocks and compute only the prompt's last token themselves.
 """
 import time
 from collections import deque
@@ -20,14 +22,26 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.forks: dict[str, list[Request]] = {}  # request id -> requests waiting to fork its prompt
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (prefix-cache hits excluded)
 
-    def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add_request(self, request: Request, fork_of: Request | None = None) -> None:
+        """Queue a request; with `fork_of`, it starts once that request has computed the (same) prompt."""
         self.requests[request.request_id] = request
+        if fork_of is None:
+            self.waiting.append(request)
+        else:
+            self.forks.setdefault(fork_of.request_id, []).append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start `child` running on a copy of the parent's block table, from where the parent has computed."""
+        self.kv_cache_manager.fork(parent, child, parent.num_computed_tokens)
+        self.requests[child.request_id] = child
+        self._start(child)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -41,6 +55,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:
+                continue  # a beam waiting for the rest of its beam search
             while not self.kv_cache_manager.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.request_id, 0)
@@ -54,18 +70,26 @@ class Scheduler:
         # waiting requests, first come first served; none while memory is short
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(req, num_new):
+            hits = self.kv_cache_manager.get_computed_blocks(req)
+            num_new = min(req.num_tokens - len(hits or ()) * self.kv_cache_manager.block_size, budget)
+            if not self.kv_cache_manager.allocate_slots(req, num_new, hits):
                 break
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = time.time()
-            self.running.append(req)
+            self._start(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
         requests = [self.requests[i] for i in scheduled]
-        return SchedulerOutput(requests, list(scheduled.values()), preempted)
+        for req, n in zip(requests, scheduled.values()):
+            self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
+                                                   - req.num_computed_tokens)
+        return SchedulerOutput(requests, list(scheduled.values()), preempted,
+                               self.kv_cache_manager.take_block_copies())
+
+    def _start(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.time()
+        self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -83,10 +107,16 @@ class Scheduler:
         now = time.time()
         for req, n in zip(sched.requests, sched.num_scheduled_tokens):
             req.num_computed_tokens += n
+            self.kv_cache_manager.cache_blocks(req)
+            if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._start_forks(req)
             token = output.sampled_token_ids.get(req.request_id)
             if token is None:
                 if req.request_id in output.prompt_logprobs:
                     updated.append(req)
+                continue
+            if req.beam_search_id is not None:
+                updated.append(req)  # the beam search appends tokens and decides when to stop
                 continue
             req.append_token(token)
             if req.metrics.first_token_time is None:
@@ -103,6 +133,9 @@ class Scheduler:
             return None
         if req.status != RequestStatus.RUNNING and req in self.waiting:
             self.waiting.remove(req)
+        for siblings in self.forks.values():
+            if req in siblings:
+                siblings.remove(req)
         if not req.is_finished:
             req.status = status
         self._free(req)
@@ -115,3 +148,15 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.metrics.finished_time = time.time()
         self.requests.pop(req.request_id, None)
+        # its prompt was never computed: the requests waiting to fork it compute the prompt themselves
+        self.waiting.extendleft(reversed(self.forks.pop(req.request_id, [])))
+
+    def _start_forks(self, req: Request) -> None:
+        """The prompt is computed: each waiting sibling shares its K/V and computes only the last prompt token
+        (which gives its own first sample)."""
+        for sibling in self.forks.pop(req.request_id):
+            self.kv_cache_manager.fork(req, sibling, req.num_prompt_tokens - 1)
+            self._start(sibling)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_cache_manager.reset_prefix_cache()

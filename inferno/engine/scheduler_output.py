@@ -11,6 +11,7 @@ class SchedulerOutput:
     requests: list[Request]  # in scheduling order; the model runner arranges the flat batch
     num_scheduled_tokens: list[int]  # parallel to `requests`
     preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) copy-on-write
 
     @property
     def total_num_scheduled_tokens(self) -> int:

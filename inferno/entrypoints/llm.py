@@ -43,6 +43,18 @@ class LLM:
             raise
         return self._run_engine(request_ids, use_tqdm)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int, max_tokens: int,
+                    length_penalty: float = 1.0, early_stopping: bool | str = False, ignore_eos: bool = False,
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """Beam search as HF transformers' `generate(num_beams=beam_width, do_sample=False)`; each output holds
+        all `beam_width` finished beams, best first."""
+        params = SamplingParams(n=beam_width, use_beam_search=True, temperature=0.0, max_tokens=max_tokens,
+                                length_penalty=length_penalty, early_stopping=early_stopping, ignore_eos=ignore_eos)
+        return self.generate(prompts, params, use_tqdm)
+
+    def reset_prefix_cache(self) -> int:
+        return self.llm_engine.reset_prefix_cache()
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:

@@ -70,6 +70,11 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.kernels = paged_attention()
 
+    def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copy-on-write: whole blocks of this layer's cache, `sources[i]` to `destinations[i]`."""
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, destinations] = cache[:, sources]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
         self.k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))

@@ -39,6 +39,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if sched.block_copies:
+            sources, destinations = torch.tensor(sched.block_copies, dtype=torch.long).unbind(1)
+            for attn in self.model.attention_layers:
+                attn.copy_blocks(sources, destinations)
         input_ids, positions, slot_mapping = [], [], []
         sample_rows: list[int] = []  # flat index of the last token of each request that samples
         sample_requests: list[Request] = []
