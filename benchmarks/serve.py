@@ -4,8 +4,10 @@ Requests arrive at --request-rate per second (Poisson: exponential gaps; inf = a
 --max-concurrency in flight. Every request streams, with `stream_options.include_usage` for its token counts.
 
 Datasets: `random` (prompts of exactly --random-input-len tokens made from random words through the server's
-/tokenize, and --random-output-len output tokens with ignore_eos) or `builtin` (a few short questions, natural
-stop, at most --builtin-output-len tokens).
+/tokenize, and --random-output-len output tokens with ignore_eos), `builtin` (a few short questions, natural
+stop, at most --builtin-output-len tokens) or `shared-prefix` (multi-turn chats: one long system prompt common
+to --prefix-conversations conversations, each sent turn after turn with its growing history; text prompts, so
+any OpenAI-compatible server can be measured; at most --prefix-output-len tokens per answer).
 
 Metrics, per vLLM's `bench serve`: TTFT = time from sending a request to its first non-empty text chunk;
 ITL = time between successive text chunks; TPOT = (E2EL - TTFT) / (output tokens - 1) per request with more
@@ -71,24 +73,28 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=os.environ.get("INFERNO_API_KEY"))
-    p.add_argument("--dataset", default="random", choices=["random", "builtin"])
+    p.add_argument("--dataset", default="random", choices=["random", "builtin", "shared-prefix"])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=32)
     p.add_argument("--builtin-output-len", type=int, default=64)
+    p.add_argument("--prefix-system-words", type=int, default=600, help="words in the shared system prompt")
+    p.add_argument("--prefix-conversations", type=int, default=4)
+    p.add_argument("--prefix-turns", type=int, default=4, help="turns per conversation (--num-prompts is ignored)")
+    p.add_argument("--prefix-output-len", type=int, default=16)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-result", default=None, help="write the results as JSON to this file")
     p.add_argument("--results-md", default=None, help="replace the serve section of this markdown file")
     p.add_argument("--server-command", default=None, help="how the server was started, recorded in --results-md")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 async def random_requests(client: httpx.AsyncClient, args: argparse.Namespace, rng: random.Random,
@@ -110,6 +116,23 @@ async def random_requests(client: httpx.AsyncClient, args: argparse.Namespace, r
 def builtin_requests(args: argparse.Namespace) -> list[BenchRequest]:
     return [BenchRequest(BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)], None, args.builtin_output_len, ignore_eos=False)
             for i in range(args.num_prompts)]
+
+
+def shared_prefix_requests(args: argparse.Namespace, rng: random.Random) -> list[BenchRequest]:
+    """Turn k of every conversation is sent after turn k - 1 of all of them: system prompt + earlier turns (the
+    user's question and a made-up answer) + the new question."""
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    system = f"System: you are a helpful assistant. {words(args.prefix_system_words)}\n"
+    histories = [system] * args.prefix_conversations
+    requests = []
+    for _ in range(args.prefix_turns):
+        for c in range(args.prefix_conversations):
+            question = f"User: {words(24)}?\nAssistant:"
+            requests.append(BenchRequest(histories[c] + question, None, args.prefix_output_len, ignore_eos=False))
+            histories[c] += f"{question} {words(40)}.\n"
+    return requests
 
 
 async def post_json(client: httpx.AsyncClient, path: str, body: dict) -> dict:
@@ -134,6 +157,7 @@ def chunk_text(chunk: dict) -> str:
 async def send(client: httpx.AsyncClient, endpoint: str, model: str, request: BenchRequest) -> RequestResult:
     result = RequestResult(prompt_len=request.prompt_len or 0)
     start = last = time.perf_counter()
+    chunks = 0
     try:
         async with client.stream("POST", endpoint, json=request_body(request, endpoint, model)) as response:
             if response.status_code != 200:
@@ -148,6 +172,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, model: str, request: Be
                     return result
                 now = time.perf_counter()
                 if chunk.get("choices") and chunk_text(chunk):
+                    chunks += 1
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -157,6 +182,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, model: str, request: Be
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
         result.latency = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks  # a server without usage in streams: a token a chunk
         result.success = result.ttft > 0.0
         if not result.success:
             result.error = "no text came back"
@@ -171,8 +197,12 @@ async def run(args: argparse.Namespace) -> tuple[list[RequestResult], float, str
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         rng = random.Random(args.seed)
-        requests = (await random_requests(client, args, rng, model) if args.dataset == "random"
-                    else builtin_requests(args))
+        if args.dataset == "random":
+            requests = await random_requests(client, args, rng, model)
+        elif args.dataset == "shared-prefix":
+            requests = shared_prefix_requests(args, rng)
+        else:
+            requests = builtin_requests(args)
         semaphore = asyncio.Semaphore(args.max_concurrency or len(requests))
 
         async def limited(request: BenchRequest) -> RequestResult:

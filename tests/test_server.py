@@ -306,3 +306,34 @@ def test_metrics_count_a_known_number_of_requests_and_tokens(client, server):
     assert after["inferno:num_requests_running"] == after["inferno:num_requests_waiting"] == 0
     assert after["inferno:kv_cache_usage_perc"] == 0
     assert "inferno:num_preemptions_total" in after
+
+
+# prefix caching and beam search
+def test_prefix_cache_counters_and_reset(client, server):
+    prompt = "You are a helpful assistant who answers questions about the sea and the weather. " * 6
+    first = greedy_completion(client, prompt, max_tokens=2).usage.prompt_tokens
+    before = server.metrics()
+    second = greedy_completion(client, prompt + "Is it windy today?", max_tokens=2).usage.prompt_tokens
+    after = server.metrics()
+    queries = after["inferno:prefix_cache_queries_total"] - before["inferno:prefix_cache_queries_total"]
+    hits = after["inferno:prefix_cache_hits_total"] - before["inferno:prefix_cache_hits_total"]
+    assert queries == second
+    assert hits % 16 == 0 and first - 32 <= hits <= first  # whole blocks of the shared prefix
+    assert after["inferno:num_cached_blocks"] >= second // 16
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
+    assert server.metrics()["inferno:num_cached_blocks"] == 0
+
+
+def test_completion_beam_search_returns_the_offline_beams(client, llm):
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, n=3,
+                                         extra_body={"use_beam_search": True})
+    (offline,) = llm.beam_search(PROMPT, beam_width=3, max_tokens=10)
+    choices = sorted(response.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [c.text for c in offline.outputs]
+    assert [c.finish_reason for c in choices] == [c.finish_reason for c in offline.outputs]
+
+
+def test_beam_search_with_logprobs_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, n=2, logprobs=1,
+                                  extra_body={"use_beam_search": True})

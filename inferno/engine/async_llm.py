@@ -35,6 +35,9 @@ class SchedulerStats:
     num_waiting_reqs: int
     kv_cache_usage: float  # 0..1
     num_preemptions: int  # since the engine started
+    prefix_cache_queries: int  # prompt tokens looked up, since the engine started
+    prefix_cache_hits: int  # of those, tokens found in the cache
+    num_cached_blocks: int  # blocks in the prefix cache now
 
 
 class StatLogger(Protocol):
@@ -96,6 +99,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _ResetPrefixCache:
+    done: asyncio.Future[int]
+
+
 class _Shutdown:
     pass
 
@@ -107,7 +115,7 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers = stat_loggers or []
         self.num_waiting_requests = 0  # published by the engine thread after every step
-        self._commands: queue.SimpleQueue[_AddRequest | _Abort | _Shutdown] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_AddRequest | _Abort | _ResetPrefixCache | _Shutdown] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # live requests; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -180,6 +188,14 @@ class AsyncLLM:
         """End a request; its blocks are freed before the next step. Unknown or finished ids are ignored."""
         self._commands.put(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (between two steps); returns how many there were."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(_ResetPrefixCache(done))
+        return await done
+
     # engine thread
     def _run_engine_loop(self) -> None:
         try:
@@ -222,6 +238,8 @@ class AsyncLLM:
                     self._abort_in_engine(request_id)
                     ended[request_id] = "abort"
                     callbacks.append(partial(stream.put, None))
+                case _ResetPrefixCache(done):
+                    callbacks.append(partial(done.set_result, self.engine.reset_prefix_cache()))
                 case _Shutdown():
                     keep_running = False
         self._record_stats([], ended)
@@ -280,6 +298,8 @@ class AsyncLLM:
                 break
             if isinstance(command, _AddRequest):
                 callbacks.append(partial(command.stream.accept, error))
+            elif isinstance(command, _ResetPrefixCache):
+                callbacks.append(partial(command.done.set_exception, error))
         self._dispatch(callbacks)
 
     def _dispatch(self, callbacks: list[Callable[[], None]]) -> None:
@@ -292,10 +312,13 @@ class AsyncLLM:
 
     def _record_stats(self, outputs: list[RequestOutput], ended: dict[str, str]) -> None:
         """Before the outputs are handed over, so a client that got its answer sees it counted."""
-        scheduler = self.engine.scheduler
+        scheduler, kv_cache = self.engine.scheduler, self.engine.kv_cache_manager
         stats = SchedulerStats(num_running_reqs=len(scheduler.running), num_waiting_reqs=len(scheduler.waiting),
                                kv_cache_usage=self.engine.kv_cache_usage,
-                               num_preemptions=scheduler.num_preemptions)
+                               num_preemptions=scheduler.num_preemptions,
+                               prefix_cache_queries=kv_cache.prefix_cache_queries,
+                               prefix_cache_hits=kv_cache.prefix_cache_hits,
+                               num_cached_blocks=kv_cache.block_pool.num_cached_blocks)
         self.num_waiting_requests = stats.num_waiting_reqs
         for stat_logger in self.stat_loggers:
             try:

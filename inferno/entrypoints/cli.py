@@ -19,13 +19,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching, help="reuse the KV cache of prompts' common prefixes")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

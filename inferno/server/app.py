@@ -51,7 +51,7 @@ class APIKeyMiddleware:
 
 
 def _needs_api_key(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
 def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
@@ -96,6 +96,12 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's endpoint: drop every cached prefix block (blocks in use are not touched)."""
+        await async_llm.reset_prefix_cache()
+        return Response(status_code=200)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

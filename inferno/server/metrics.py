@@ -46,6 +46,10 @@ class PrometheusStatLogger:
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_cached_blocks = gauge("num_cached_blocks", "Number of KV-cache blocks in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         request_success = Counter("inferno:request_success", "Count of successfully processed requests.",
@@ -63,16 +67,19 @@ class PrometheusStatLogger:
         self.request_queue_time = histogram("request_queue_time_seconds",
                                             "Histogram of time spent in WAITING phase for request.",
                                             REQUEST_BUCKETS)
-        self._num_preemptions = 0
+        self._totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._requests: dict[str, _RequestTimes] = {}
 
     def record(self, scheduler_stats: SchedulerStats, outputs: list[RequestOutput], ended: dict[str, str]) -> None:
         self.num_requests_running.set(scheduler_stats.num_running_reqs)
         self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
-        if scheduler_stats.num_preemptions > self._num_preemptions:
-            self.num_preemptions.inc(scheduler_stats.num_preemptions - self._num_preemptions)
-            self._num_preemptions = scheduler_stats.num_preemptions
+        self.num_cached_blocks.set(scheduler_stats.num_cached_blocks)
+        for name, seen in self._totals.items():  # the engine keeps running totals; counters take the increase
+            total = getattr(scheduler_stats, name)
+            if total > seen:
+                getattr(self, name).inc(total - seen)
+                self._totals[name] = total
         now = time.time()
         for output in outputs:
             self._record_output(output, now)

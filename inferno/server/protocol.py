@@ -55,6 +55,9 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    use_beam_search: bool = False  # n beams, all returned best first; sampling fields are ignored
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @property
     def include_usage(self) -> bool:
@@ -71,7 +74,8 @@ class SamplingRequest(OpenAIModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
 class CompletionRequest(SamplingRequest):
