@@ -34,9 +34,10 @@ def uncached(model_path, shared_prefix_prompts) -> dict[str, list[list[int]]]:
             "seeded": [generate(llm, [p], temperature=0.9, top_p=0.9, seed=7)[0] for p in shared_prefix_prompts]}
 
 
-@pytest.mark.parametrize("chunk", [2048, 24])  # 24: hits end inside what would have been a prefill chunk
-def test_outputs_equal_with_and_without_prefix_caching(model_path, shared_prefix_prompts, uncached, chunk):
-    llm = LLM(model_path, max_num_batched_tokens=chunk, kv_cache_memory=256 << 20)
+@pytest.mark.parametrize("chunk", [None, 24])  # 24: hits end inside what would have been a prefill chunk
+def test_outputs_equal_with_and_without_prefix_caching(llm, model_path, shared_prefix_prompts, uncached, chunk):
+    if chunk is not None:
+        llm = LLM(model_path, max_num_batched_tokens=chunk, kv_cache_memory=256 << 20)
     for kind, params in [("greedy", dict(temperature=0)), ("seeded", dict(temperature=0.9, top_p=0.9, seed=7))]:
         one_by_one = [generate(llm, [p], **params)[0] for p in shared_prefix_prompts]  # each hits the earlier ones
         assert one_by_one == uncached[kind]
@@ -59,8 +60,9 @@ def test_eviction_then_recompute_gives_same_outputs(model_path, llm, shared_pref
     assert_all_blocks_free(llm.llm_engine)
 
 
-def test_second_request_computes_only_new_tokens(model_path, llm):
-    engine = LLM(model_path, kv_cache_memory=256 << 20).llm_engine
+def test_second_request_computes_only_new_tokens(llm):
+    engine = llm.llm_engine
+    engine.reset_prefix_cache()
     tok = llm.get_tokenizer()
     prefix = (tok.encode("A shared system prompt about the weather, the sea and the mountains. ") * 70)[:1000]
     first, second = prefix + tok.encode(" First question?"), prefix + tok.encode(" A different second question?")
