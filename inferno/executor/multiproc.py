@@ -45,6 +45,9 @@ def run_worker(rank: int, config: EngineConfig, store_port: int) -> None:
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig):
+        if dist.is_initialized():
+            raise ValueError("this process already belongs to a torch.distributed process group (another multi-rank "
+                             "engine?); shut that engine down first (LLMEngine.shutdown)")
         self.config = config
         self.processes: list[mp.Process] = []
         self.failure: str | None = None
