@@ -12,9 +12,14 @@ import torch.distributed as dist
 
 @dataclass(slots=True)
 class CommStats:
-    """Seconds spent in communication calls (waiting for the slowest rank included)."""
-    seconds: float = 0.0
-    calls: int = 0
+    """Per kind of call (all_reduce, gather, send, recv, broadcast): seconds this rank spent in communication
+    calls, waiting for the other ranks included, and the number of calls."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, start: float) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - start
+        self.calls[kind] = self.calls.get(kind, 0) + 1
 
 
 @dataclass(slots=True)
@@ -63,7 +68,7 @@ class ParallelRank:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         dist.all_reduce(x, group=self.tp_group)
-        self._count(start)
+        self.comm.add("all_reduce", start)
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -71,27 +76,34 @@ class ParallelRank:
         start = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(x, parts, group_dst=0, group=self.tp_group)
-        self._count(start)
+        self.comm.add("gather", start)
         return parts
 
     def send(self, x: torch.Tensor, pp_rank: int, tag: int) -> dist.Work:
-        return dist.isend(x, self.stage_rank(pp_rank), tag=tag)
+        start = time.perf_counter()
+        work = dist.isend(x, self.stage_rank(pp_rank), tag=tag)
+        self.comm.add("send", start)
+        return work
 
     def recv(self, x: torch.Tensor, pp_rank: int, tag: int) -> torch.Tensor:
         start = time.perf_counter()
         dist.recv(x, self.stage_rank(pp_rank), tag=tag)
-        self._count(start)
+        self.comm.add("recv", start)
         return x
 
     def wait(self, works: list[dist.Work]) -> None:
         start = time.perf_counter()
         for work in works:
             work.wait()
-        self._count(start)
+        self.comm.add("send", start)
 
-    def _count(self, start: float) -> None:
-        self.comm.seconds += time.perf_counter() - start
-        self.comm.calls += 1
+    def broadcast_object(self, obj: object, group: dist.ProcessGroup) -> object:
+        """`obj` from global rank 0, on every rank."""
+        start = time.perf_counter()
+        message = [obj]
+        dist.broadcast_object_list(message, src=0, group=group)
+        self.comm.add("broadcast", start)
+        return message[0]
 
 
 SINGLE = ParallelRank()

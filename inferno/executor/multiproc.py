@@ -89,7 +89,7 @@ class MultiprocExecutor:
         if not self.is_healthy():
             raise ExecutorDeadError(self.failure or self._dead_ranks_message() or "the executor is shut down")
         try:
-            dist.broadcast_object_list([step], src=0, group=self.control)
+            self.parallel.broadcast_object(step, self.control)
             return self.model_runner.run_step(step)
         except BaseException as e:  # any rank may now be mid-step: no step can run any more
             error = self._fail(e, "running a step")

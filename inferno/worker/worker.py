@@ -1,16 +1,10 @@
 """One rank: loads its shard of the model and owns its ModelRunner and KV cache shard."""
-import logging
-
-import torch
 import torch.distributed as dist
 
 from inferno.config import EngineConfig, ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.loader.model_loader import load_model
-from inferno.worker.input_batch import StepInput
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
-
-logger = logging.getLogger("inferno")
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -33,9 +27,5 @@ class Worker:
 
     def serve(self, control_group: dist.ProcessGroup) -> None:
         """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts None (shutdown)."""
-        while True:
-            message: list[StepInput | None] = [None]
-            dist.broadcast_object_list(message, src=0, group=control_group)
-            if message[0] is None:
-                return
-            self.model_runner.run_step(message[0])
+        while (step := self.model_runner.parallel.broadcast_object(None, control_group)) is not None:
+            self.model_runner.run_step(step)
