@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from inferno import LLM, SamplingParams
-from inferno.distributed.process_group import threads_per_rank
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
 
 TOKEN_RANGE = (1000, 40000)  # ordinary (non-special) ids of the default model's vocabulary
@@ -104,6 +103,7 @@ def run_single(llm: LLM, prompt: list[int], output_len: int) -> tuple[float, flo
 
 
 def bench_layout(args, tp: int, pp: int, threads: int | None, prompts: list[list[int]], single: list[int]) -> Result:
+    threads = threads or max(1, len(os.sched_getaffinity(0)) // (tp * pp))
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, num_threads=threads,
               tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
@@ -119,7 +119,7 @@ def bench_layout(args, tp: int, pp: int, threads: int | None, prompts: list[list
             decodes.append((args.output_len - 1) / decode_s)
             decode_comms.append(comm)
         decode_comm = sorted(decode_comms, key=Comm.per_step_ms)[len(decode_comms) // 2]
-        return Result(f"TP={tp} PP={pp}", threads_per_rank(llm.llm_engine.config), throughput,
+        return Result(f"TP={tp} PP={pp}", threads, throughput,
                       1000 * sum(steps) / len(steps), throughput_comm, 1000 * statistics.median(ttfts),
                       statistics.median(decodes), decode_comm)
     finally:

@@ -61,7 +61,10 @@ class MultiprocExecutor:
             self.worker = Worker(config, parallel)
             dist.barrier(group=self.control)  # every rank holds its shard
         except Exception as e:
-            raise self._fail(e, "starting the ranks") from e
+            error = self._fail(e, "starting the ranks")
+            if isinstance(e, ValueError):  # bad configuration (heads that do not split, too little KV memory)
+                raise
+            raise error from e
         self.parallel = parallel
         self.model_runner = self.worker.model_runner
         if parallel.rank != 0:  # torchrun: this process serves rank 0 until it shuts down, then exits
