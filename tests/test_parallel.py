@@ -17,6 +17,7 @@ import torch.distributed as dist
 from conftest import prefill_logits
 from inferno import LLM, SamplingParams
 from inferno.distributed.parallel_state import ParallelRank
+from inferno.distributed.partition import split_heads
 from inferno.executor import ExecutorDeadError
 from inferno.model.llama import LlamaForCausalLM
 from test_model_vs_hf import PROMPTS, write_tiny_hf_model
@@ -144,3 +145,26 @@ def test_server_reports_unhealthy_when_a_rank_dies():
         server.process.send_signal(signal.SIGINT)
         assert server.process.wait(timeout=30) == 0, server.output()
         server.log.close()
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, tp_size", [(9, 3, 2), (9, 3, 3), (4, 2, 2), (8, 2, 4), (8, 1, 8)])
+def test_every_query_head_lands_on_one_rank_with_its_kv_head(num_heads, num_kv_heads, tp_size):
+    splits = [split_heads(num_heads, num_kv_heads, tp_size, rank) for rank in range(tp_size)]
+    assert sorted(h for s in splits for h in s.q_heads) == list(range(num_heads))
+    group = num_heads // num_kv_heads
+    for s in splits:
+        assert {h // group for h in s.q_heads} == set(s.kv_heads)
+        assert len(s.q_heads) == len(s.kv_heads) * group or len(s.kv_heads) == 1
+
+
+def test_heads_that_cannot_split_are_a_clear_error():
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 cannot split 9 query heads over 3 KV heads"):
+        split_heads(9, 3, 4, 0)
+
+
+def test_pipeline_stages_cover_every_layer_once():
+    stages = [ParallelRank(rank, 1, 3).stage_layers(30) for rank in range(3)]
+    assert [layer for stage in stages for layer in stage] == list(range(30))
+    assert [len(ParallelRank(rank, 1, 4).stage_layers(30)) for rank in range(4)] == [7, 7, 8, 8]
+    with pytest.raises(ValueError, match="larger than the model's 2 layers"):
+        ParallelRank(0, 1, 4).stage_layers(2)
