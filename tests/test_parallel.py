@@ -96,13 +96,19 @@ def test_qwen2_model_matches_single_process(llm, tmp_path, layout):
 
 
 def test_pipeline_micro_batches_match_one_batch():
-    """With pipeline parallelism a step's requests are split into micro-batches; outputs must not change."""
+    """With pipeline parallelism a step's requests are split into micro-batches, and a request alone has its prompt
+    cut into one piece per stage; outputs must not change."""
     prompts = [PROMPTS[0], PROMPTS[2], "Hello, my name is", "The best way to learn"]
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=2, ignore_eos=True)
     with parallel_llm(kv_cache_memory=16 << 20, pipeline_parallel_size=2) as llm:
-        one_by_one = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
-        batched = llm.generate(prompts, params, use_tqdm=False)
+        one_by_one = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # prompts cut in two pieces
+        batched = llm.generate(prompts, params, use_tqdm=False)  # two micro-batches of whole requests
     assert_same_greedy(one_by_one, batched, min_compared=4)
+    for alone, together in zip(one_by_one, batched):
+        assert len(alone.prompt_logprobs) == len(together.prompt_logprobs) == len(alone.prompt_token_ids)
+        for a, b in zip(alone.prompt_logprobs[1:], together.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < LOGIT_TOLERANCE for t in a)
 
 
 def test_killed_worker_fails_the_engine_fast():

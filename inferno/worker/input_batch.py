@@ -39,30 +39,38 @@ class StepPlan:
     prompt_logprob_rows: list[tuple[Request, list[int], list[int]]]  # (request, logit rows, prompt tokens scored)
 
 
+Piece = tuple[Request, int, int]  # a request, the position of its first scheduled token, the number of tokens
+
+
 def plan_step(sched: SchedulerOutput, block_size: int, num_micro_batches: int = 1) -> StepPlan:
     """Split the scheduled requests into up to `num_micro_batches` batches of similar token counts and lay each
-    out flat."""
-    scheduled = list(zip(sched.requests, sched.num_scheduled_tokens))
-    groups: list[list[tuple[Request, int]]] = [[] for _ in range(min(num_micro_batches, len(scheduled)))]
-    loads = [0] * len(groups)
-    for req, n in sorted(scheduled, key=lambda rn: -rn[1]):
-        lightest = loads.index(min(loads))
-        groups[lightest].append((req, n))
-        loads[lightest] += n
+    out flat. A request scheduled alone is cut into consecutive pieces instead, one per micro-batch: every stage runs
+    the micro-batches in order, so each piece finds the K/V of the pieces before it in the cache."""
+    scheduled = [(req, req.num_computed_tokens, n) for req, n in zip(sched.requests, sched.num_scheduled_tokens)]
+    if len(scheduled) == 1:
+        req, c, n = scheduled[0]
+        parts = min(num_micro_batches, n)
+        groups = [[(req, c + n * i // parts, n * (i + 1) // parts - n * i // parts)] for i in range(parts)]
+    else:
+        groups = [[] for _ in range(min(num_micro_batches, len(scheduled)))]
+        loads = [0] * len(groups)
+        for piece in sorted(scheduled, key=lambda piece: -piece[2]):
+            lightest = loads.index(min(loads))
+            groups[lightest].append(piece)
+            loads[lightest] += piece[2]
     plan = StepPlan(StepInput([]), [], [], [])
     for group in groups:
         # decodes first, shortest first (so each attention group pads little), then prefill chunks
-        group.sort(key=lambda rn: (rn[1] > 1, rn[0].num_tokens))
+        group.sort(key=lambda piece: (piece[2] > 1, piece[0].num_tokens))
         plan.step.micro_batches.append(_lay_out(group, block_size, plan))
     return plan
 
 
-def _lay_out(group: list[tuple[Request, int]], block_size: int, plan: StepPlan) -> MicroBatch:
+def _lay_out(group: list[Piece], block_size: int, plan: StepPlan) -> MicroBatch:
     mb = MicroBatch([], [], [], [], [], [])
     first_logit = plan.step.num_logit_rows
-    for req, n in group:
+    for req, c, n in group:
         start = len(mb.input_ids)
-        c = req.num_computed_tokens
         pos = range(c, c + n)
         mb.input_ids.extend(req.token_ids[c:c + n])
         mb.positions.extend(pos)

@@ -93,7 +93,7 @@ class ModelRunner:
         for req, rows, targets in plan.prompt_logprob_rows:
             logprobs = logits[rows].log_softmax(dim=-1)
             result = gather_logprobs(logprobs, torch.tensor(targets), req.sampling_params.prompt_logprobs)
-            out.prompt_logprobs[req.request_id] = list(zip(
+            out.prompt_logprobs.setdefault(req.request_id, []).extend(zip(
                 result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
         return out
 
