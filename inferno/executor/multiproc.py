@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from inferno.config import EngineConfig
+from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.process_group import init_process_groups, launched_by_torchrun, threads_per_rank
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.worker.input_batch import StepInput, plan_step
@@ -49,6 +50,7 @@ class MultiprocExecutor:
             raise ValueError("this process already belongs to a torch.distributed process group (another multi-rank "
                              "engine?); shut that engine down first (LLMEngine.shutdown)")
         self.config = config
+        self.caller_num_threads = torch.get_num_threads()  # restored on shutdown
         self.processes: list[mp.Process] = []
         self.failure: str | None = None
         self.closed = False
@@ -72,7 +74,7 @@ class MultiprocExecutor:
             dist.destroy_process_group()
             raise SystemExit(0)
 
-    def _spawn_ranks(self):
+    def _spawn_ranks(self) -> tuple[ParallelRank, dist.ProcessGroup]:
         store = dist.TCPStore("127.0.0.1", 0, self.config.world_size, is_master=True, wait_for_workers=False)
         context = mp.get_context("spawn")
         for rank in range(1, self.config.world_size):
@@ -89,8 +91,10 @@ class MultiprocExecutor:
 
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Every rank runs `step`; the logits of its logit rows, on rank 0."""
-        if not self.is_healthy():
-            raise ExecutorDeadError(self.failure or self._dead_ranks_message() or "the executor is shut down")
+        if self.closed:
+            raise ExecutorDeadError(self.failure or "the executor is shut down")
+        if not self.is_healthy():  # a rank died between steps
+            raise self._fail(None, "waiting for a step")
         try:
             self.parallel.broadcast_object(step, self.control)
             return self.model_runner.run_step(step)
@@ -116,7 +120,7 @@ class MultiprocExecutor:
             return None
         return "; ".join(f"rank {rank} (pid {p.pid}) {_exit_reason(p.exitcode)}" for rank, p in dead)
 
-    def _fail(self, error: BaseException, doing: str) -> ExecutorDeadError:
+    def _fail(self, error: BaseException | None, doing: str) -> ExecutorDeadError:
         dead = self._dead_ranks_message(wait=1.0)
         self.failure = (f"a worker rank died while {doing}: {dead}" if dead else
                         f"the ranks failed while {doing}: {type(error).__name__}: {error}")
@@ -141,6 +145,7 @@ class MultiprocExecutor:
                 process.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self.caller_num_threads)
 
 
 def _exit_reason(exitcode: int) -> str:
