@@ -44,17 +44,28 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
-    num_threads: int | None = None
+    num_threads: int | None = None  # per rank; default with more than one rank: the cores divided among the ranks
     seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_timeout: float = 60.0  # seconds a rank waits in a collective inside a step before failing
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -6,10 +6,10 @@ import torch
 
 from inferno import LLM
 from inferno.engine.llm_engine import LLMEngine
-from inferno.layers.attention import AttentionMetadata, PrefillChunk
 from inferno.loader.model_loader import default_model_path
 from inferno.request import Request
 from inferno.sampling_params import SamplingParams
+from inferno.worker.input_batch import MicroBatch, StepInput
 
 
 @pytest.fixture(scope="session")
@@ -31,17 +31,15 @@ def hf_model(model_path):
 
 @torch.inference_mode()
 def prefill_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
-    """Logits [len, vocab] of one prompt through the engine's model and paged KV cache."""
+    """Logits [len, vocab] of one prompt through the engine's executor (every rank) and paged KV cache."""
     req = Request("logits", token_ids, SamplingParams(), set(), engine.max_model_len)
     assert engine.kv_cache_manager.allocate_slots(req, len(token_ids))
     try:
-        runner = engine.model_runner
-        chunk = runner._prefill_chunk(0, len(token_ids), 0, req.block_ids)
         bs = engine.config.block_size
-        slots = [req.block_ids[p // bs] * bs + p % bs for p in range(len(token_ids))]
-        meta = AttentionMetadata(torch.tensor(slots), [], [chunk])
-        hidden = runner.model(torch.tensor(token_ids), torch.arange(len(token_ids)), meta)
-        return runner.model.compute_logits(hidden)
+        n = len(token_ids)
+        mb = MicroBatch(list(token_ids), list(range(n)), [req.block_ids[p // bs] * bs + p % bs for p in range(n)],
+                        decodes=[], prefills=[(n, 0, req.block_ids)], logit_rows=list(range(n)))
+        return engine.executor.run_step(StepInput([mb], []))
     finally:
         engine.kv_cache_manager.free(req)
 

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Protocol
 
 from inferno.engine.llm_engine import LLMEngine, PromptType
+from inferno.executor import ExecutorDeadError
 from inferno.loader.tokenizer import Tokenizer
 from inferno.outputs import RequestOutput
 from inferno.sampling_params import RequestOutputKind, SamplingParams
@@ -145,7 +146,8 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and not self._stopped
+        """The engine loop runs and every rank of the engine's executor is alive."""
+        return self._thread is not None and not self._stopped and self.engine.is_healthy()
 
     @property
     def is_overloaded(self) -> bool:
@@ -249,6 +251,9 @@ class AsyncLLM:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except ExecutorDeadError as e:  # a worker rank died: nothing can be served any more; the loop stops
+            self._end_all(EngineDeadError(f"the engine stopped: {e}"))
+            raise
         except Exception as e:  # the engine could not finish the step: end what was in flight, keep serving
             logger.exception("engine step failed; ending the %d requests in flight", len(self._streams))
             self._end_all(RequestFailedError(f"engine step failed: {type(e).__name__}: {e}"))

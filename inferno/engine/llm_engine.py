@@ -12,11 +12,11 @@ from inferno.engine.output_processor import OutputProcessor, RequestState, Sampl
 from inferno.engine.detokenizer import IncrementalDetokenizer
 from inferno.engine.scheduler import Scheduler
 from inferno.engine.scheduler_output import ModelRunnerOutput
-from inferno.loader.model_loader import load_model
+from inferno.executor import ExecutorDeadError, make_executor
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
 from inferno.sampling_params import SamplingParams
-from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
+from inferno.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("inferno")
 
@@ -26,23 +26,35 @@ PromptType = str | dict | list[int]
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.torch_dtype)
-        self.model_path = loaded.path
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        num_blocks = config.kv_cache_memory // kv_bytes_per_block(loaded.config, config.block_size, config.torch_dtype)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one KV block")
-        self.num_blocks = num_blocks
-        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.executor = make_executor(config)
+        worker = self.executor.worker
+        self.model_path = worker.model_path
+        self.model_config = worker.model_config
+        self.tokenizer = worker.tokenizer
+        self.num_blocks = worker.num_blocks
+        try:
+            self.max_model_len = self._max_model_len(self.num_blocks * config.block_size)
+        except ValueError:
+            self.executor.shutdown()
+            raise
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
-        self.model_runner = ModelRunner(loaded.model, config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_searches: dict[str, BeamSearch] = {}
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """Rank 0's model runner (the only one with one process)."""
+        return self.executor.model_runner
+
+    def is_healthy(self) -> bool:
+        """False once a rank of a multi-process executor has died (or the engine is shut down)."""
+        return self.executor.is_healthy()
+
+    def shutdown(self) -> None:
+        """Stop the executor's ranks; the engine cannot run steps afterwards."""
+        self.executor.shutdown()
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
@@ -150,7 +162,10 @@ class LLMEngine:
         if not sched.requests:
             return []
         try:
-            output = self.model_runner.execute_model(sched)
+            output = self.executor.execute_model(sched)
+        except ExecutorDeadError:  # no step can run any more: the engine is done
+            self._fail(sched.requests, "the engine's worker ranks died")
+            raise
         except Exception as e:  # one bad step ends the requests in it, not the engine
             logger.exception("model step failed; ending the %d requests in it", len(sched.requests))
             return self._fail(sched.requests, f"{type(e).__name__}: {e}")

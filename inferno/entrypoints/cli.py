@@ -18,7 +18,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="threads per rank (default: all cores, divided among the ranks)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="ranks that split every layer (Megatron-style tensor parallelism)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+                        help="ranks that each run a contiguous stage of the layers")
+    parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
+                        help="seconds a rank waits inside a step for the others before the engine fails")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching, help="reuse the KV cache of prompts' common prefixes")
 
@@ -27,7 +34,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                        num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching)
+                        num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        distributed_timeout=args.distributed_timeout, enable_prefix_caching=args.enable_prefix_caching)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -73,12 +82,22 @@ def chat_prompt(engine: LLMEngine, messages: list[dict]) -> dict:
 
 def run_generate(args: argparse.Namespace) -> None:
     engine = LLMEngine(engine_config(args))
-    prompt = chat_prompt(engine, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    stream(engine, prompt, sampling_params(args))
+    try:
+        prompt = chat_prompt(engine, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        stream(engine, prompt, sampling_params(args))
+    finally:
+        engine.shutdown()
 
 
 def run_chat(args: argparse.Namespace) -> None:
     engine = LLMEngine(engine_config(args))
+    try:
+        chat_loop(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def chat_loop(engine: LLMEngine, args: argparse.Namespace) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     params = sampling_params(args)
     print("inferno chat — an empty line or Ctrl-D quits", file=sys.stderr)

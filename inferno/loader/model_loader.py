@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from inferno.config import ModelConfig
+from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.loader import gguf as gguf_loader
 from inferno.loader import safetensors as hf_loader
 from inferno.loader.tokenizer import Tokenizer
@@ -38,7 +39,8 @@ class LoadedModel:
     path: str
 
 
-def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SINGLE) -> LoadedModel:
+    """The model, or with several ranks this rank's shard of it (see `LlamaForCausalLM`)."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
@@ -52,31 +54,32 @@ def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
         config = hf_loader.read_config(p)
         weights = hf_loader.iter_weights(p)
         tokenizer = Tokenizer.from_hf_folder(path)
-    model = build_model(config, dtype, weights)
+    model = build_model(config, dtype, weights, parallel)
     return LoadedModel(model, config, tokenizer, path)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
+def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]],
+                parallel: ParallelRank = SINGLE) -> LlamaForCausalLM:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config, parallel)
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device="cpu")
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and model.holds_head:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, weights)
     return model.eval().requires_grad_(False)
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy each checkpoint tensor into its parameter; layers with a `weight_loader` (the parallel ones) pick
+    their rank's slice and their place in a fused parameter."""
     config = model.config
     params = dict(model.named_parameters(remove_duplicate=False))
-    q_size = config.num_attention_heads * config.head_dim
-    kv_size = config.num_key_value_heads * config.head_dim
-    qkv_offsets = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
+    modules = dict(model.named_modules())
     loaded = set()
     for name, w in weights:
         if name == "rope_freqs":
@@ -85,29 +88,27 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         name = name.removeprefix("model.")
+        if not model.holds(name):  # another pipeline stage's tensor
+            continue
         module_path, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
+        target, shard = name, 0
         if proj in PACKED:
             fused, shard = PACKED[proj]
             if proj in ("q_proj", "k_proj"):
                 heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
                 w = interleave_rotary_rows(w, heads)
             target = f"{module_path}.{fused}.{kind}"
-            param = params[target]
-            if fused == "qkv_proj":
-                lo, hi = qkv_offsets[shard], qkv_offsets[shard + 1]
-            else:
-                size = config.intermediate_size
-                lo, hi = shard * size, (shard + 1) * size
-            param.data[lo:hi].copy_(w)
-            loaded.add((target, shard))
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
+        param = params[target]
+        weight_loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", None)
+        if weight_loader is not None:
+            weight_loader(name, param, w, shard)
+        elif param.shape != w.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
         else:
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
-            if params[name].shape != w.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-            params[name].data.copy_(w)
-            loaded.add((name, 0))
+            param.data.copy_(w)
+        loaded.add((target, shard))
     expected = {(n, s) for n in params for s in (range(3) if "qkv_proj" in n else range(2) if "gate_up" in n else [0])}
     if config.tie_word_embeddings:
         expected.discard(("lm_head.weight", 0))

@@ -4,7 +4,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferno.config import ModelConfig
+from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.layers.attention import Attention, AttentionMetadata
+from inferno.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from inferno.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from inferno.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -22,14 +25,16 @@ class RMSNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """This rank's attention heads (all of them with one rank)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelRank):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, config.attention_bias, parallel)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, self.qkv_proj.shards[0],
+                                        config.hidden_size, parallel)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -42,10 +47,11 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelRank):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, config.intermediate_size, parallel)
+        self.down_proj = RowParallelLinear(config.intermediate_size, self.gate_up_proj.shards[0],
+                                           config.hidden_size, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -53,12 +59,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelRank):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config)
+        self.self_attn = SelfAttention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, parallel)
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotations, meta)
@@ -66,29 +72,47 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """One rank's part of the model: its pipeline stage's layers (other stages' are `nn.Identity` placeholders that
+    keep checkpoint names lined up); on the first stage also the embedding, final norm and LM head."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelRank = SINGLE):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.stage_layers = parallel.stage_layers(config.num_hidden_layers)
+        self.holds_head = parallel.is_first_stage
+        self.layers = nn.ModuleList(DecoderLayer(config, parallel) if i in self.stage_layers else nn.Identity()
+                                    for i in range(config.num_hidden_layers))
+        self.embed_tokens = self.norm = self.lm_head = None
+        if self.holds_head:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        return [self.layers[i].self_attn.attn for i in self.stage_layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] (before the final norm) for a flat batch of tokens."""
-        x = self.embed_tokens(input_ids)
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (without the `model.` prefix) belongs to this pipeline stage."""
+        if name.startswith("layers."):
+            return int(name.split(".", 2)[1]) in self.stage_layers
+        return self.holds_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] (before the final norm) for a flat batch of tokens, through this stage's layers;
+        `hidden`: the previous stage's output (later stages), instead of embedding `input_ids`."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         rotations = self.rotary.rotations(positions)
-        for layer in self.layers:
-            x = layer(x, rotations, meta)
+        for i in self.stage_layers:
+            x = self.layers[i](x, rotations, meta)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits on tensor rank 0 of the first stage; None on the other tensor ranks."""
+        logits = self.lm_head(self.norm(hidden))
+        return None if logits is None else logits.float()

@@ -169,5 +169,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine, config.max_waiting_requests, [PrometheusStatLogger(registry, model_name)])
     app = build_app(async_llm, model_name, registry, config.api_key)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                access_log=not config.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+                    access_log=not config.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()

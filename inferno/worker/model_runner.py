@@ -1,7 +1,9 @@
-"""Runs one scheduled step: flat input tensors from the schedule, one forward pass, sampling."""
+"""Runs one scheduled step: flat input tensors from the schedule, the forward pass(es), sampling."""
 import torch
 
 from inferno.config import EngineConfig, ModelConfig
+from inferno.distributed.parallel_state import SINGLE, ParallelRank
+from inferno.distributed.pipeline import run_first_stage, run_later_stage
 from inferno.engine.kv_cache_manager import cdiv
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.kernels import paged_attention
@@ -9,6 +11,7 @@ from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
 from inferno.request import Request
+from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.cpu_malloc import keep_freed_memory
 
 
@@ -21,87 +24,85 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, engine_config: EngineConfig, num_blocks: int):
+    """One rank's model and KV cache shard. With one rank, `execute_model` is the whole step; with several, the
+    executor plans on rank 0 (`plan_step`), every rank runs `run_step`, and rank 0 samples (`sample`)."""
+
+    def __init__(self, model: LlamaForCausalLM, engine_config: EngineConfig, num_blocks: int,
+                 parallel: ParallelRank = SINGLE):
         self.model = model
         self.config = model.config
+        self.parallel = parallel
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
         self.use_kernels = paged_attention() is not None
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         keep_freed_memory()
-        shape = (self.config.num_key_value_heads, num_blocks, self.block_size, self.config.head_dim)
         # zeros, not empty: masked-out slots are still multiplied by zero weights, and stale NaN/inf garbage would
         # turn that into NaN
         for attn in model.attention_layers:
+            shape = (attn.num_kv_heads, num_blocks, self.block_size, self.config.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.dtype)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype)
+        self.num_kv_heads = model.attention_layers[0].num_kv_heads
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        if sched.block_copies:
-            sources, destinations = torch.tensor(sched.block_copies, dtype=torch.long).unbind(1)
+        plan = plan_step(sched, self.block_size)
+        return self.sample(plan, self.run_step(plan.step))
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInput) -> torch.Tensor | None:
+        """Logits [step.num_logit_rows, vocab] on rank 0; None on the other ranks."""
+        if step.block_copies:
+            sources, destinations = torch.tensor(step.block_copies, dtype=torch.long).unbind(1)
             for attn in self.model.attention_layers:
                 attn.copy_blocks(sources, destinations)
-        input_ids, positions, slot_mapping = [], [], []
-        sample_rows: list[int] = []  # flat index of the last token of each request that samples
-        sample_requests: list[Request] = []
-        prompt_logprob_rows: list[tuple[Request, list[int], list[int]]] = []
-        decode_requests: list[Request] = []
-        prefills: list[PrefillChunk] = []
-        # decodes first, shortest first (so each attention group pads little), then prefill chunks
-        order = sorted(zip(sched.requests, sched.num_scheduled_tokens), key=lambda rn: (rn[1] > 1, rn[0].num_tokens))
-        for req, n in order:
-            start = len(input_ids)
-            c = req.num_computed_tokens
-            pos = range(c, c + n)
-            input_ids.extend(req.token_ids[c:c + n])
-            positions.extend(pos)
-            table = req.block_ids
-            slot_mapping.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
-            if n == 1:
-                assert not prefills, "decodes must come before prefill chunks"
-                decode_requests.append(req)
-            else:
-                prefills.append(self._prefill_chunk(start, n, c, table))
-            if c + n == req.num_tokens:
-                sample_rows.append(start + n - 1)
-                sample_requests.append(req)
-            if req.sampling_params.prompt_logprobs is not None:
-                # the logits at prompt position p score prompt token p + 1
-                targets = [p for p in pos if p + 1 < req.num_prompt_tokens and p + 1 >= len(req.prompt_logprobs)]
-                if targets:
-                    prompt_logprob_rows.append((req, [start + p - c for p in targets],
-                                                [req.token_ids[p + 1] for p in targets]))
+        if self.parallel.pp_size == 1:
+            hidden = [self.forward(mb)[mb.logit_rows] for mb in step.micro_batches]
+            return self.model.compute_logits(torch.cat(hidden)) if step.num_logit_rows else None
+        if not self.parallel.is_first_stage:
+            run_later_stage(self, step, self.parallel)
+            return None
+        logits = [self.model.compute_logits(hidden) for hidden in run_first_stage(self, step, self.parallel)]
+        return torch.cat(logits) if logits and logits[0] is not None else None
 
-        group_size = max(len(decode_requests), 1) if self.use_kernels else DECODE_GROUP_SIZE
-        groups = [self._decode_group(i, decode_requests[i:i + group_size])
-                  for i in range(0, len(decode_requests), group_size)]
-        meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta)
+    def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
+        decodes = mb.decodes
+        group_size = max(len(decodes), 1) if self.use_kernels else DECODE_GROUP_SIZE
+        groups = [self._decode_group(i, decodes[i:i + group_size]) for i in range(0, len(decodes), group_size)]
+        prefills, start = [], len(decodes)
+        for n, num_computed, block_ids in mb.prefills:
+            prefills.append(self._prefill_chunk(start, n, num_computed, block_ids))
+            start += n
+        meta = AttentionMetadata(torch.tensor(mb.slot_mapping, dtype=torch.long), groups, prefills)
+        return self.model(torch.tensor(mb.input_ids, dtype=torch.long), torch.tensor(mb.positions, dtype=torch.long),
+                          meta, hidden)
 
+    def sample(self, plan: StepPlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
         out = ModelRunnerOutput(sampled_token_ids={})
-        if sample_requests:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            result = self.sampler(logits, self._sampling_metadata(sample_requests))
+        requests = plan.sample_requests
+        if requests:
+            result = self.sampler(logits[plan.sample_rows], self._sampling_metadata(requests))
             sampled = result.sampled_token_ids.tolist()
-            for i, req in enumerate(sample_requests):
+            for i, req in enumerate(requests):
                 out.sampled_token_ids[req.request_id] = sampled[i]
             if result.logprobs is not None:
                 ids, values, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
-                for i, req in enumerate(sample_requests):
+                for i, req in enumerate(requests):
                     if req.sampling_params.logprobs is not None:
                         k = 1 + req.sampling_params.logprobs
                         out.logprobs[req.request_id] = (ids[i][:k], values[i][:k], ranks[i])
-        for req, rows, targets in prompt_logprob_rows:
-            logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
+        for req, rows, targets in plan.prompt_logprob_rows:
+            logprobs = logits[rows].log_softmax(dim=-1)
             result = gather_logprobs(logprobs, torch.tensor(targets), req.sampling_params.prompt_logprobs)
-            out.prompt_logprobs[req.request_id] = list(zip(
+            out.prompt_logprobs.setdefault(req.request_id, []).extend(zip(
                 result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
         return out
 
     def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
-        return block_rows(block_ids, self.config.num_key_value_heads, self.num_blocks)
+        return block_rows(block_ids, self.num_kv_heads, self.num_blocks)
 
     def _prefill_chunk(self, start: int, n: int, num_computed: int, block_ids: list[int]) -> PrefillChunk:
         table = torch.tensor(block_ids[:cdiv(num_computed + n, self.block_size)], dtype=torch.long)
@@ -112,13 +113,12 @@ class ModelRunner:
             mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
         return PrefillChunk(start, start + n, num_computed, self._rows(table), mask)
 
-    def _decode_group(self, start: int, requests: list[Request]) -> DecodeGroup:
+    def _decode_group(self, start: int, decodes: list[tuple[int, list[int]]]) -> DecodeGroup:
         """Block tables padded to the group's longest request (with block 0, masked out) and sequence lengths."""
-        seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in requests])
-        width = max(cdiv(r.num_computed_tokens + 1, self.block_size) for r in requests)
-        tables = torch.tensor([r.block_ids[:width] + [0] * (width - min(width, len(r.block_ids))) for r in requests],
-                              dtype=torch.long)
-        group = DecodeGroup(start, start + len(requests), tables, seq_lens)
+        seq_lens = torch.tensor([seq_len for seq_len, _ in decodes])
+        width = max(len(table) for _, table in decodes)
+        tables = torch.tensor([table + [0] * (width - len(table)) for _, table in decodes], dtype=torch.long)
+        group = DecodeGroup(start, start + len(decodes), tables, seq_lens)
         if not self.use_kernels:
             group.block_rows = self._rows(tables)
             group.mask = (torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]

@@ -1,0 +1,27 @@
+"""The executor of one process: the engine's own worker runs every step."""
+import torch
+
+from inferno.config import EngineConfig
+from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.worker.input_batch import StepInput
+from inferno.worker.worker import Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.worker = Worker(config)
+        self.model_runner = self.worker.model_runner
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(sched)
+
+    def run_step(self, step: StepInput) -> torch.Tensor | None:
+        return self.model_runner.run_step(step)
+
+    def is_healthy(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass

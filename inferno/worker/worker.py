@@ -1,0 +1,31 @@
+"""One rank: loads its shard of the model and owns its ModelRunner and KV cache shard."""
+import torch.distributed as dist
+
+from inferno.config import EngineConfig, ModelConfig
+from inferno.distributed.parallel_state import SINGLE, ParallelRank
+from inferno.loader.model_loader import load_model
+from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Blocks in the KV cache pool, counted on the whole model's layers and heads: every rank holds the same block
+    ids, each for its own layers (pipeline) or heads (tensor parallel)."""
+    num_blocks = config.kv_cache_memory // kv_bytes_per_block(model_config, config.block_size, config.torch_dtype)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one KV block")
+    return num_blocks
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, parallel: ParallelRank = SINGLE):
+        loaded = load_model(config.model, config.torch_dtype, parallel)
+        self.model_path = loaded.path
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.num_blocks = num_kv_blocks(config, loaded.config)
+        self.model_runner = ModelRunner(loaded.model, config, self.num_blocks, parallel)
+
+    def serve(self, control_group: dist.ProcessGroup) -> None:
+        """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts None (shutdown)."""
+        while (step := self.model_runner.parallel.broadcast_object(None, control_group)) is not None:
+            self.model_runner.run_step(step)

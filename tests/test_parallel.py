@@ -1,0 +1,176 @@
+"""Tensor and pipeline parallelism on 2 ranks match one process; a dead rank fails the engine fast.
+
+Each test starts (and shuts down) its own 2-rank engine: a process joins one torch.distributed group at a time.
+"""
+import os
+import signal
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import prefill_logits
+from inferno import LLM, SamplingParams
+from inferno.distributed.parallel_state import ParallelRank
+from inferno.distributed.partition import split_heads
+from inferno.executor import ExecutorDeadError
+from inferno.model.llama import LlamaForCausalLM
+from test_model_vs_hf import PROMPTS, write_tiny_hf_model
+from test_server import RemoteServer
+
+LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2)}
+MIN_MARGIN = 1e-3  # top-2 logprob gap of the single process below which either token is a fair greedy pick
+LOGIT_TOLERANCE = 1e-4
+
+
+@contextmanager
+def parallel_llm(**kwargs):
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.shutdown()
+    assert not dist.is_initialized()
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def top2_gap(step: dict) -> float:
+    best, second = sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
+    return best - second
+
+
+def assert_same_greedy(reference, outputs, min_compared: int) -> None:
+    """Same tokens up to the reference's first near-tie, with logprobs within the logit tolerance."""
+    for ref, out in zip(reference, outputs):
+        ref, out = ref.outputs[0], out.outputs[0]
+        margins = [top2_gap(step) for step in ref.logprobs]
+        clear = next((i for i, m in enumerate(margins) if m < MIN_MARGIN), len(margins))
+        assert clear >= min_compared, f"reference has a near-tie at step {clear}; pick another prompt"
+        assert out.token_ids[:clear] == ref.token_ids[:clear], (out.token_ids, ref.token_ids)
+        for ref_step, step in zip(ref.logprobs[:clear], out.logprobs[:clear]):
+            for token, lp in ref_step.items():
+                assert abs(step[token].logprob - lp.logprob) < LOGIT_TOLERANCE
+
+
+def check_matches_single_process(single: LLM, model: str | None, layout: str, prompts: list[str]) -> LLM:
+    ids = single.get_tokenizer().encode(PROMPTS[0])
+    ref_logits = prefill_logits(single.llm_engine, ids)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    reference = single.generate(prompts, params, use_tqdm=False)
+    with parallel_llm(model=model, kv_cache_memory=16 << 20, **LAYOUTS[layout]) as llm:
+        assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks
+        logits = prefill_logits(llm.llm_engine, ids)
+        assert (logits - ref_logits).abs().max().item() < LOGIT_TOLERANCE
+        assert_same_greedy(reference, llm.generate(prompts, params, use_tqdm=False), min_compared=8)
+        if layout == "tp2":
+            single_bytes = param_bytes(single.llm_engine.model_runner.model)
+            rank0 = param_bytes(llm.llm_engine.model_runner.model)
+            with torch.device("meta"):  # rank 1's shard, built the way rank 1 builds it
+                rank1 = param_bytes(LlamaForCausalLM(single.llm_engine.model_config, ParallelRank(1, 2, 1)))
+            assert 0.4 < rank0 / single_bytes < 0.6 and 0.4 < rank1 / single_bytes < 0.6
+            assert rank0 + rank1 < 1.01 * single_bytes  # only the norms are replicated
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_blocks
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_default_model_matches_single_process(layout):
+    # SmolLM2: 9 query heads over 3 KV heads, split 1 + 2 KV heads with 2 ranks
+    single = LLM(kv_cache_memory=16 << 20)
+    check_matches_single_process(single, None, layout, [PROMPTS[0], PROMPTS[2], "Hello, my name is"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_qwen2_model_matches_single_process(llm, tmp_path, layout):
+    write_tiny_hf_model(tmp_path, llm.get_tokenizer(), "qwen2")
+    single = LLM(model=str(tmp_path), kv_cache_memory=16 << 20)
+    check_matches_single_process(single, str(tmp_path), layout, [PROMPTS[0], PROMPTS[2]])
+
+
+def test_pipeline_micro_batches_match_one_batch():
+    """With pipeline parallelism a step's requests are split into micro-batches, and a request alone has its prompt
+    cut into one piece per stage; outputs must not change."""
+    prompts = [PROMPTS[0], PROMPTS[2], "Hello, my name is", "The best way to learn"]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    with parallel_llm(kv_cache_memory=16 << 20, pipeline_parallel_size=2) as llm:
+        one_by_one = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # prompts cut in two pieces
+        batched = llm.generate(prompts, params, use_tqdm=False)  # two micro-batches of whole requests
+    assert_same_greedy(one_by_one, batched, min_compared=4)
+    for alone, together in zip(one_by_one, batched):
+        assert len(alone.prompt_logprobs) == len(together.prompt_logprobs) == len(alone.prompt_token_ids)
+        for a, b in zip(alone.prompt_logprobs[1:], together.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < LOGIT_TOLERANCE for t in a)
+
+
+def test_killed_worker_fails_the_engine_fast():
+    with parallel_llm(kv_cache_memory=16 << 20, tensor_parallel_size=2) as llm:
+        worker = llm.llm_engine.executor.processes[0]
+        killer = threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(ExecutorDeadError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+            llm.generate(["Once upon a time"] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - start < 1.0 + 5.0
+        assert not llm.llm_engine.is_healthy()
+        assert worker.exitcode == -signal.SIGKILL
+        assert not dist.is_initialized()  # the executor left its process group already
+        with pytest.raises(ExecutorDeadError):
+            llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def spawned_ranks(pid: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(c) for c in children if "spawn_main" in open(f"/proc/{c}/cmdline").read()
+            and "resource_tracker" not in open(f"/proc/{c}/cmdline").read()]
+
+
+def test_server_reports_unhealthy_when_a_rank_dies():
+    server = RemoteServer("--pipeline-parallel-size", "2", "--kv-cache-memory", str(16 << 20))
+    try:
+        reply = server.client().completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello", max_tokens=4)
+        assert reply.choices[0].text
+        [worker] = spawned_ranks(server.process.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{server.url}/health").status_code == 200:
+            assert time.monotonic() < deadline, "still healthy 5 s after a rank died"
+            time.sleep(0.1)
+        assert httpx.get(f"{server.url}/health").status_code == 500
+        with pytest.raises(Exception):
+            server.client().completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello", max_tokens=4)
+    finally:
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=30) == 0, server.output()
+        server.log.close()
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, tp_size", [(9, 3, 2), (9, 3, 3), (4, 2, 2), (8, 2, 4), (8, 1, 8)])
+def test_every_query_head_lands_on_one_rank_with_its_kv_head(num_heads, num_kv_heads, tp_size):
+    splits = [split_heads(num_heads, num_kv_heads, tp_size, rank) for rank in range(tp_size)]
+    assert sorted(h for s in splits for h in s.q_heads) == list(range(num_heads))
+    group = num_heads // num_kv_heads
+    for s in splits:
+        assert {h // group for h in s.q_heads} == set(s.kv_heads)
+        assert len(s.q_heads) == len(s.kv_heads) * group or len(s.kv_heads) == 1
+
+
+def test_heads_that_cannot_split_are_a_clear_error():
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 cannot split 9 query heads over 3 KV heads"):
+        split_heads(9, 3, 4, 0)
+
+
+def test_pipeline_stages_cover_every_layer_once():
+    stages = [ParallelRank(rank, 1, 3).stage_layers(30) for rank in range(3)]
+    assert [layer for stage in stages for layer in stage] == list(range(30))
+    assert [len(ParallelRank(rank, 1, 4).stage_layers(30)) for rank in range(4)] == [7, 7, 8, 8]
+    with pytest.raises(ValueError, match="larger than the model's 2 layers"):
+        ParallelRank(0, 1, 4).stage_layers(2)
