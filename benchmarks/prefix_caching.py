@@ -116,15 +116,15 @@ def main() -> None:
     prompts = [r.prompt for r in serve.shared_prefix_requests(serve.parse_args(shared_argv),
                                                               random.Random(0))]
     fractions: list[float] | None = None
-    rows = []
-    for name, caching, command, flag in configs:
-        ttft_shared, ttft_all, throughputs = [], [], []
-        for _ in range(args.repeats):
+    measured = {name + caching: ([], [], []) for name, caching, _, _ in configs}
+    for _ in range(args.repeats):  # configurations interleaved, so a change in machine load hits them alike
+        for name, caching, command, flag in configs:
+            ttft_shared, ttft_all, throughputs = measured[name + caching]
             port = free_port()
             cmd = command(port, model, args.threads, flag) if flag is not None else command(port, model, args.threads)
             server = Server(cmd, port)
             try:
-                if fractions is None and name == "inferno":
+                if fractions is None:
                     fractions = shared_fractions(server.url, prompts)
                 results, _ = run_workload(server.url, shared_argv)
                 ttfts = [r.ttft for r in results]
@@ -135,6 +135,9 @@ def main() -> None:
                     throughputs.append(sum(r.output_tokens for r in results) / duration)
             finally:
                 server.close()
+    rows = []
+    for name, caching, _, _ in configs:
+        ttft_shared, ttft_all, throughputs = measured[name + caching]
         rows.append({
             "server": name, "caching": caching,
             "ttft_shared_p50": median(float(np.median(t)) for t in ttft_shared) * 1e3,
