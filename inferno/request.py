@@ -43,6 +43,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # speculative decoding: draft tokens for the next step (not part of token_ids until accepted) and the
+        # proposer's distributions for them ([k, vocab]; None for n-gram drafts and greedy requests)
+        self.spec_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0

@@ -14,6 +14,9 @@ from inferno.loader.model_loader import load_model
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
 from inferno.sampling_params import SamplingParams
+from inferno.spec_decode.draft_model import DraftModelProposer
+from inferno.spec_decode.metrics import SpecDecodingStats
+from inferno.spec_decode.ngram import NgramProposer
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger("inferno")
@@ -40,6 +43,15 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.model_runner = ModelRunner(loaded.model, config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.proposer = self._proposer(num_blocks)
+
+    def _proposer(self, num_blocks: int) -> NgramProposer | DraftModelProposer | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        return DraftModelProposer(spec, self.config, num_blocks, self.model_config)
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
@@ -148,7 +160,10 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        return self.output_processor.make_outputs(updated)
+        outputs = self.output_processor.make_outputs(updated)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        return outputs
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         for req in requests:
@@ -161,6 +176,11 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Draft tokens proposed and accepted since the engine started (None without speculative decoding)."""
+        return self.scheduler.spec_decoding_stats
 
     @property
     def kv_cache_usage(self) -> float:

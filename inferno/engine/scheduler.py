@@ -10,6 +10,7 @@ from inferno.config import EngineConfig
 from inferno.engine.kv_cache_manager import KVCacheManager
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.request import Request, RequestStatus
+from inferno.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
@@ -21,6 +22,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        spec = config.speculative_config
+        self.num_lookahead_tokens = spec.num_lookahead_tokens if spec else 0
+        self.spec_decoding_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec else None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -32,6 +36,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        spec_token_ids: dict[str, list[int]] = {}
         preempted: list[Request] = []
         # running requests: decodes first, then unfinished prefill chunks
         ordered = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
@@ -40,8 +45,9 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv_cache_manager.allocate_slots(req, num_new):
+            # a decode with k draft tokens is scheduled as 1 + k tokens (fewer drafts when the budget is short)
+            num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
+            while not self.kv_cache_manager.allocate_slots(req, num_new + self.num_lookahead_tokens):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.request_id, 0)
                 self._preempt(victim)
@@ -51,11 +57,14 @@ class Scheduler:
             else:
                 scheduled[req.request_id] = num_new
                 budget -= num_new
+                num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
+                if num_drafts > 0:
+                    spec_token_ids[req.request_id] = req.spec_token_ids[:num_drafts]
         # waiting requests, first come first served; none while memory is short
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(req, num_new):
+            if not self.kv_cache_manager.allocate_slots(req, num_new + self.num_lookahead_tokens):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -65,35 +74,45 @@ class Scheduler:
             scheduled[req.request_id] = num_new
             budget -= num_new
         requests = [self.requests[i] for i in scheduled]
-        return SchedulerOutput(requests, list(scheduled.values()), preempted)
+        return SchedulerOutput(requests, list(scheduled.values()), preempted, spec_token_ids)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.draft_probs = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish stopped requests; returns the requests that
-        got a new token or a prompt-logprob chunk."""
+        got a new token or a prompt-logprob chunk. Rejected draft tokens are not computed: their KV slots are
+        written again by later steps."""
         updated = []
         now = time.time()
         for req, n in zip(sched.requests, sched.num_scheduled_tokens):
-            req.num_computed_tokens += n
-            token = output.sampled_token_ids.get(req.request_id)
-            if token is None:
+            drafts = sched.spec_token_ids.get(req.request_id, [])
+            req.spec_token_ids, req.draft_probs = [], None
+            tokens = output.sampled_token_ids.get(req.request_id)
+            if tokens is None:
+                req.num_computed_tokens += n
                 if req.request_id in output.prompt_logprobs:
                     updated.append(req)
                 continue
-            req.append_token(token)
+            num_accepted = len(tokens) - 1
+            req.num_computed_tokens += n - (len(drafts) - num_accepted)
+            if drafts and self.spec_decoding_stats is not None:
+                self.spec_decoding_stats.observe(len(drafts), num_accepted)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
-            if req.check_stop():
-                self._free(req)
+            for token in tokens:  # stop checks token by token; tokens after a stop are dropped
+                req.append_token(token)
+                if req.check_stop():
+                    self._free(req)
+                    break
             updated.append(req)
         return updated
 

@@ -1,4 +1,6 @@
 """Runs one scheduled step: flat input tensors from the schedule, one forward pass, sampling."""
+from dataclasses import dataclass
+
 import torch
 
 from inferno.config import EngineConfig, ModelConfig
@@ -6,6 +8,7 @@ from inferno.engine.kv_cache_manager import cdiv
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.kernels import paged_attention
 from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows
+from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
 from inferno.request import Request
@@ -13,6 +16,14 @@ from inferno.worker.cpu_malloc import keep_freed_memory
 
 
 DECODE_GROUP_SIZE = 32  # PyTorch path: decodes sorted by length are attended in groups padded to their longest
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """Tokens of one sequence to run: `token_ids` at positions start.. (start = tokens already in the cache)."""
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -39,62 +50,100 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        input_ids, positions, slot_mapping = [], [], []
-        sample_rows: list[int] = []  # flat index of the last token of each request that samples
-        sample_requests: list[Request] = []
-        prompt_logprob_rows: list[tuple[Request, list[int], list[int]]] = []
-        decode_requests: list[Request] = []
-        prefills: list[PrefillChunk] = []
-        # decodes first, shortest first (so each attention group pads little), then prefill chunks
-        order = sorted(zip(sched.requests, sched.num_scheduled_tokens), key=lambda rn: (rn[1] > 1, rn[0].num_tokens))
-        for req, n in order:
-            start = len(input_ids)
+        chunks = []
+        for req, n in zip(sched.requests, sched.num_scheduled_tokens):
+            drafts = sched.spec_token_ids.get(req.request_id, [])
             c = req.num_computed_tokens
-            pos = range(c, c + n)
-            input_ids.extend(req.token_ids[c:c + n])
-            positions.extend(pos)
-            table = req.block_ids
-            slot_mapping.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
-            if n == 1:
-                assert not prefills, "decodes must come before prefill chunks"
-                decode_requests.append(req)
-            else:
-                prefills.append(self._prefill_chunk(start, n, c, table))
-            if c + n == req.num_tokens:
-                sample_rows.append(start + n - 1)
-                sample_requests.append(req)
-            if req.sampling_params.prompt_logprobs is not None:
-                # the logits at prompt position p score prompt token p + 1
-                targets = [p for p in pos if p + 1 < req.num_prompt_tokens and p + 1 >= len(req.prompt_logprobs)]
-                if targets:
-                    prompt_logprob_rows.append((req, [start + p - c for p in targets],
-                                                [req.token_ids[p + 1] for p in targets]))
-
-        group_size = max(len(decode_requests), 1) if self.use_kernels else DECODE_GROUP_SIZE
-        groups = [self._decode_group(i, decode_requests[i:i + group_size])
-                  for i in range(0, len(decode_requests), group_size)]
-        meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta)
+            chunks.append(TokenChunk(req.token_ids[c:c + n - len(drafts)] + drafts, c, req.block_ids))
+        hidden, offsets = self.forward(chunks)
 
         out = ModelRunnerOutput(sampled_token_ids={})
+        sample_rows: list[int] = []  # flat index of the last token of each request that samples
+        sample_requests: list[Request] = []
+        spec_requests: list[Request] = []
+        for req, n, start in zip(sched.requests, sched.num_scheduled_tokens, offsets):
+            if req.request_id in sched.spec_token_ids:
+                spec_requests.append(req)
+            elif req.num_computed_tokens + n == req.num_tokens:
+                sample_rows.append(start + n - 1)
+                sample_requests.append(req)
         if sample_requests:
             logits = self.model.compute_logits(hidden[sample_rows])
-            result = self.sampler(logits, self._sampling_metadata(sample_requests))
+            result = self.sampler(logits, sampling_metadata([(r, []) for r in sample_requests], self.config.vocab_size))
             sampled = result.sampled_token_ids.tolist()
             for i, req in enumerate(sample_requests):
-                out.sampled_token_ids[req.request_id] = sampled[i]
+                out.sampled_token_ids[req.request_id] = [sampled[i]]
             if result.logprobs is not None:
                 ids, values, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
                 for i, req in enumerate(sample_requests):
                     if req.sampling_params.logprobs is not None:
                         k = 1 + req.sampling_params.logprobs
                         out.logprobs[req.request_id] = (ids[i][:k], values[i][:k], ranks[i])
-        for req, rows, targets in prompt_logprob_rows:
-            logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
-            result = gather_logprobs(logprobs, torch.tensor(targets), req.sampling_params.prompt_logprobs)
+        if spec_requests:
+            self._verify_drafts(hidden, offsets, sched, spec_requests, out)
+        self._prompt_logprobs(hidden, offsets, sched, out)
+        return out
+
+    def _verify_drafts(self, hidden: torch.Tensor, offsets: list[int], sched: SchedulerOutput,
+                       spec_requests: list[Request], out: ModelRunnerOutput) -> None:
+        """Target logits at all 1 + k positions of each speculating request -> rejection sampling."""
+        offset_of = {req.request_id: start for req, start in zip(sched.requests, offsets)}
+        rows, metadata_rows, drafts = [], [], []
+        for req in spec_requests:
+            tokens = sched.spec_token_ids[req.request_id]
+            start = offset_of[req.request_id]
+            rows.extend(range(start, start + len(tokens) + 1))
+            metadata_rows.extend((req, tokens[:j]) for j in range(len(tokens) + 1))
+            probs = None if req.draft_probs is None else req.draft_probs[:len(tokens)]
+            drafts.append(Drafts(tokens, probs, req.generator))
+        logits = self.model.compute_logits(hidden[rows])
+        emitted = rejection_sample(logits, sampling_metadata(metadata_rows, self.config.vocab_size), drafts)
+        for req, tokens in zip(spec_requests, emitted):
+            out.sampled_token_ids[req.request_id] = tokens
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, offsets: list[int], sched: SchedulerOutput,
+                         out: ModelRunnerOutput) -> None:
+        for req, n, start in zip(sched.requests, sched.num_scheduled_tokens, offsets):
+            if req.sampling_params.prompt_logprobs is None:
+                continue
+            c = req.num_computed_tokens
+            # the logits at prompt position p score prompt token p + 1
+            targets = [p for p in range(c, c + n) if p + 1 < req.num_prompt_tokens and p + 1 >= len(req.prompt_logprobs)]
+            if not targets:
+                continue
+            logprobs = self.model.compute_logits(hidden[[start + p - c for p in targets]]).log_softmax(dim=-1)
+            result = gather_logprobs(logprobs, torch.tensor([req.token_ids[p + 1] for p in targets]),
+                                     req.sampling_params.prompt_logprobs)
             out.prompt_logprobs[req.request_id] = list(zip(
                 result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
-        return out
+
+    def forward(self, chunks: list[TokenChunk]) -> tuple[torch.Tensor, list[int]]:
+        """One forward pass over the tokens of all chunks; returns hidden states [T, hidden] and where each chunk
+        starts in that flat batch."""
+        input_ids, positions, slot_mapping = [], [], []
+        offsets = [0] * len(chunks)
+        decodes: list[TokenChunk] = []
+        prefills: list[PrefillChunk] = []
+        # decodes first, shortest first (so each attention group pads little), then prefill chunks
+        for i in sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) > 1, chunks[i].start)):
+            chunk = chunks[i]
+            start, n, c = len(input_ids), len(chunk.token_ids), chunk.start
+            offsets[i] = start
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(c, c + n))
+            table = chunk.block_ids
+            slot_mapping.extend(table[p // self.block_size] * self.block_size + p % self.block_size
+                                for p in range(c, c + n))
+            if n == 1:
+                assert not prefills, "decodes must come before prefill chunks"
+                decodes.append(chunk)
+            else:
+                prefills.append(self._prefill_chunk(start, n, c, table))
+        group_size = max(len(decodes), 1) if self.use_kernels else DECODE_GROUP_SIZE
+        groups = [self._decode_group(i, decodes[i:i + group_size]) for i in range(0, len(decodes), group_size)]
+        meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long), groups, prefills)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta)
+        return hidden, offsets
 
     def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         return block_rows(block_ids, self.config.num_key_value_heads, self.num_blocks)
@@ -108,51 +157,54 @@ class ModelRunner:
             mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
         return PrefillChunk(start, start + n, num_computed, self._rows(table), mask)
 
-    def _decode_group(self, start: int, requests: list[Request]) -> DecodeGroup:
-        """Block tables padded to the group's longest request (with block 0, masked out) and sequence lengths."""
-        seq_lens = torch.tensor([r.num_computed_tokens + 1 for r in requests])
-        width = max(cdiv(r.num_computed_tokens + 1, self.block_size) for r in requests)
-        tables = torch.tensor([r.block_ids[:width] + [0] * (width - min(width, len(r.block_ids))) for r in requests],
+    def _decode_group(self, start: int, decodes: list[TokenChunk]) -> DecodeGroup:
+        """Block tables padded to the group's longest sequence (with block 0, masked out) and sequence lengths."""
+        seq_lens = torch.tensor([d.start + 1 for d in decodes])
+        width = max(cdiv(d.start + 1, self.block_size) for d in decodes)
+        tables = torch.tensor([d.block_ids[:width] + [0] * (width - min(width, len(d.block_ids))) for d in decodes],
                               dtype=torch.long)
-        group = DecodeGroup(start, start + len(requests), tables, seq_lens)
+        group = DecodeGroup(start, start + len(decodes), tables, seq_lens)
         if not self.use_kernels:
             group.block_rows = self._rows(tables)
             group.mask = (torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
         return group
 
-    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
-        params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
-        penalty_rows = [i for i, p in enumerate(params)
-                        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
-        banned = {}
-        for i, r in enumerate(requests):
-            if r.num_output_tokens < r.sampling_params.min_tokens:
-                banned[i] = sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
+def sampling_metadata(rows: list[tuple[Request, list[int]]], vocab_size: int) -> SamplingMetadata:
+    """One row per (request, draft tokens before the position): penalties and min_tokens see the output so far
+    plus those drafts."""
+    requests = [r for r, _ in rows]
+    params = [r.sampling_params for r in requests]
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+    penalty_rows = [i for i, p in enumerate(params)
+                    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+    banned = {}
+    for i, (r, drafts) in enumerate(rows):
+        if r.num_output_tokens + len(drafts) < r.sampling_params.min_tokens:
+            banned[i] = sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
 
-        def column(name: str, off, dtype) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in params]
-            if name == "top_k":
-                values = [min(k, self.config.vocab_size) for k in values]
-            return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype)
+    def column(name: str, off, dtype) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in params]
+        if name == "top_k":
+            values = [min(k, vocab_size) for k in values]
+        return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype)
 
-        def penalty(name: str) -> torch.Tensor | None:
-            return torch.tensor([getattr(params[i], name) for i in penalty_rows]) if penalty_rows else None
+    def penalty(name: str) -> torch.Tensor | None:
+        return torch.tensor([getattr(params[i], name) for i in penalty_rows]) if penalty_rows else None
 
-        return SamplingMetadata(
-            temperature=temperature,
-            all_greedy=all(p.greedy for p in params),
-            top_k=column("top_k", 0, torch.long),
-            top_p=column("top_p", 1.0, torch.float32),
-            min_p=column("min_p", 0.0, torch.float32),
-            generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None},
-            penalty_rows=penalty_rows,
-            repetition_penalty=penalty("repetition_penalty"),
-            presence_penalty=penalty("presence_penalty"),
-            frequency_penalty=penalty("frequency_penalty"),
-            prompt_token_ids=[requests[i].prompt_token_ids for i in penalty_rows],
-            output_token_ids=[requests[i].output_token_ids for i in penalty_rows],
-            banned_token_ids={i: t for i, t in banned.items() if t},
-            max_num_logprobs=max(wanted) if wanted else None,
-        )
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=all(p.greedy for p in params),
+        top_k=column("top_k", 0, torch.long),
+        top_p=column("top_p", 1.0, torch.float32),
+        min_p=column("min_p", 0.0, torch.float32),
+        generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None},
+        penalty_rows=penalty_rows,
+        repetition_penalty=penalty("repetition_penalty"),
+        presence_penalty=penalty("presence_penalty"),
+        frequency_penalty=penalty("frequency_penalty"),
+        prompt_token_ids=[requests[i].prompt_token_ids for i in penalty_rows],
+        output_token_ids=[requests[i].output_token_ids + rows[i][1] for i in penalty_rows],
+        banned_token_ids={i: t for i, t in banned.items() if t},
+        max_num_logprobs=max(wanted) if wanted else None,
+    )
