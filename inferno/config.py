@@ -96,7 +96,7 @@ class EngineConfig:
     speculative_config: dict | SpeculativeConfig | None = None  # a dict as in vLLM; parsed on creation
 
     def __post_init__(self) -> None:
-        if isinstance(self.speculative_config, dict):
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
