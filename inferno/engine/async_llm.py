@@ -17,6 +17,7 @@ from inferno.engine.llm_engine import LLMEngine, PromptType
 from inferno.loader.tokenizer import Tokenizer
 from inferno.outputs import RequestOutput
 from inferno.sampling_params import RequestOutputKind, SamplingParams
+from inferno.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("inferno")
 
@@ -35,6 +36,7 @@ class SchedulerStats:
     num_waiting_reqs: int
     kv_cache_usage: float  # 0..1
     num_preemptions: int  # since the engine started
+    spec_decoding_stats: SpecDecodingStats | None = None  # since the engine started; None without speculation
 
 
 class StatLogger(Protocol):
@@ -295,7 +297,8 @@ class AsyncLLM:
         scheduler = self.engine.scheduler
         stats = SchedulerStats(num_running_reqs=len(scheduler.running), num_waiting_reqs=len(scheduler.waiting),
                                kv_cache_usage=self.engine.kv_cache_usage,
-                               num_preemptions=scheduler.num_preemptions)
+                               num_preemptions=scheduler.num_preemptions,
+                               spec_decoding_stats=scheduler.spec_decoding_stats)
         self.num_waiting_requests = stats.num_waiting_reqs
         for stat_logger in self.stat_loggers:
             try:

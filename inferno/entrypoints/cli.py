@@ -1,9 +1,10 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come."""
 import argparse
+import json
 import sys
 import uuid
 
-from inferno.config import EngineConfig
+from inferno.config import EngineConfig, SpeculativeConfig
 from inferno.engine.llm_engine import LLMEngine
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.server.cli_args import add_server_args, server_config
@@ -19,13 +20,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--speculative-config", type=speculative_config, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
+                             '"num_speculative_tokens": 4}\'')
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    try:
+        return SpeculativeConfig.from_dict(config)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads, speculative_config=args.speculative_config)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

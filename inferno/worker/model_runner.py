@@ -16,6 +16,7 @@ from inferno.worker.cpu_malloc import keep_freed_memory
 
 
 DECODE_GROUP_SIZE = 32  # PyTorch path: decodes sorted by length are attended in groups padded to their longest
+MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks over cached context up to this long attend as decode rows
 
 
 @dataclass(slots=True)
@@ -122,10 +123,10 @@ class ModelRunner:
         starts in that flat batch."""
         input_ids, positions, slot_mapping = [], [], []
         offsets = [0] * len(chunks)
-        decodes: list[TokenChunk] = []
+        decodes: list[tuple[list[int], int]] = []  # (block ids, sequence length) of each decode row
         prefills: list[PrefillChunk] = []
-        # decodes first, shortest first (so each attention group pads little), then prefill chunks
-        for i in sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) > 1, chunks[i].start)):
+        # decode rows first, shortest first (so each attention group pads little), then prefill chunks
+        for i in sorted(range(len(chunks)), key=lambda i: (not self._as_decode_rows(chunks[i]), chunks[i].start)):
             chunk = chunks[i]
             start, n, c = len(input_ids), len(chunk.token_ids), chunk.start
             offsets[i] = start
@@ -134,9 +135,9 @@ class ModelRunner:
             table = chunk.block_ids
             slot_mapping.extend(table[p // self.block_size] * self.block_size + p % self.block_size
                                 for p in range(c, c + n))
-            if n == 1:
+            if self._as_decode_rows(chunk):
                 assert not prefills, "decodes must come before prefill chunks"
-                decodes.append(chunk)
+                decodes.extend((table, p + 1) for p in range(c, c + n))
             else:
                 prefills.append(self._prefill_chunk(start, n, c, table))
         group_size = max(len(decodes), 1) if self.use_kernels else DECODE_GROUP_SIZE
@@ -157,17 +158,25 @@ class ModelRunner:
             mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
         return PrefillChunk(start, start + n, num_computed, self._rows(table), mask)
 
-    def _decode_group(self, start: int, decodes: list[TokenChunk]) -> DecodeGroup:
+    @staticmethod
+    def _as_decode_rows(chunk: TokenChunk) -> bool:
+        """A decode, or a few tokens over cached context (a decode with drafts to verify, the tail of a chunked
+        prefill): one decode row per token, each attending up to its own position, all in one batched call."""
+        n = len(chunk.token_ids)
+        return n == 1 or (chunk.start > 0 and n <= MAX_DECODE_ROWS_PER_CHUNK)
+
+    def _decode_group(self, start: int, rows: list[tuple[list[int], int]]) -> DecodeGroup:
         """Block tables padded to the group's longest sequence (with block 0, masked out) and sequence lengths."""
-        seq_lens = torch.tensor([d.start + 1 for d in decodes])
-        width = max(cdiv(d.start + 1, self.block_size) for d in decodes)
-        tables = torch.tensor([d.block_ids[:width] + [0] * (width - min(width, len(d.block_ids))) for d in decodes],
+        seq_lens = torch.tensor([seq_len for _, seq_len in rows])
+        width = max(cdiv(seq_len, self.block_size) for _, seq_len in rows)
+        tables = torch.tensor([table[:width] + [0] * (width - min(width, len(table))) for table, _ in rows],
                               dtype=torch.long)
-        group = DecodeGroup(start, start + len(decodes), tables, seq_lens)
+        group = DecodeGroup(start, start + len(rows), tables, seq_lens)
         if not self.use_kernels:
             group.block_rows = self._rows(tables)
             group.mask = (torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
         return group
+
 
 def sampling_metadata(rows: list[tuple[Request, list[int]]], vocab_size: int) -> SamplingMetadata:
     """One row per (request, draft tokens before the position): penalties and min_tokens see the output so far
