@@ -94,12 +94,9 @@ def bench(name: str, method: str, llm: LLM, args) -> list[Row]:
 
 
 def engines(args):
-    """(model name, method, engine config) in the order they run."""
+    """(model name, method, engine config) in the order they run: the target first, then the default model."""
     ngram = {"method": "ngram", "num_speculative_tokens": args.num_spec_tokens, "prompt_lookup_max": 4,
              "prompt_lookup_min": 2}
-    small = dict(dtype=args.dtype, kv_cache_memory=1 << 30, num_threads=args.num_threads)
-    yield "SmolLM2-135M", "none", dict(small)
-    yield "SmolLM2-135M", "ngram", dict(small, speculative_config=ngram)
     if args.target:
         big = dict(model=args.target, dtype=args.target_dtype, kv_cache_memory=1 << 30, num_threads=args.num_threads)
         name = Path(args.target).stem
@@ -108,6 +105,10 @@ def engines(args):
         if args.draft:
             draft = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_draft_tokens}
             yield name, f"draft {Path(args.draft).stem}", dict(big, speculative_config=draft)
+    if not args.skip_default_model:
+        small = dict(dtype=args.dtype, kv_cache_memory=1 << 30, num_threads=args.num_threads)
+        yield "SmolLM2-135M", "none", dict(small)
+        yield "SmolLM2-135M", "ngram", dict(small, speculative_config=ngram)
 
 
 def table(rows: list[Row]) -> str:
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--num-spec-tokens", type=int, default=5, help="n-gram drafts per step")
     parser.add_argument("--num-draft-tokens", type=int, default=3, help="draft-model drafts per step")
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--skip-default-model", action="store_true")
     parser.add_argument("--output", default=str(Path(__file__).parent / "RESULTS.md"))
     global ARGS
     ARGS = args = parser.parse_args()
@@ -147,7 +149,12 @@ def main() -> None:
         rows.extend(bench(name, method, llm, args))
         del llm
         gc.collect()
-    body = "\n".join([
+        write_section(Path(args.output), "spec_decode", report(rows, args))  # partial results survive a stop
+    print(report(rows, args))
+
+
+def report(rows: list[Row], args) -> str:
+    return "\n".join([
         "## Speculative decoding (`benchmarks/spec_decode.py`)",
         "",
         f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
@@ -163,9 +170,6 @@ def main() -> None:
         "",
         table(rows),
     ])
-    print(body)
-    write_section(Path(args.output), "spec_decode", body)
-
 
 if __name__ == "__main__":
     main()
