@@ -31,6 +31,54 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: who proposes draft tokens and how many per step."""
+    method: str  # "ngram" (prompt lookup) | "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5  # ngram: shortest suffix to look up
+    prompt_lookup_max: int = 5  # ngram: longest suffix to look up
+    model: str | None = None  # draft_model: GGUF file or HF folder sharing the target's tokenizer
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "SpeculativeConfig":
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known keys are {sorted(known)}")
+        method = config.get("method") or ("draft_model" if config.get("model") else None)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(SPEC_METHODS)}, got {method!r}")
+        k = config.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+        # vLLM's defaults: both 5, or the one given for both
+        low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        low, high = low if low is not None else (high or 5), high if high is not None else (low or 5)
+        if method == "ngram":
+            for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+            if low > high:
+                raise ValueError(f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        model = config.get("model")
+        if method == "draft_model" and not (isinstance(model, str) and model):
+            raise ValueError("speculative_config with method 'draft_model' needs 'model': a GGUF file or HF folder")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config 'model' is only used with method 'draft_model'")
+        return cls(method, k, low, high, model)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a running request needs beyond its scheduled tokens: where the draft model writes its drafts."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,8 +97,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_timeout: float = 60.0  # seconds a rank waits in a collective inside a step before failing
+    speculative_config: dict | SpeculativeConfig | None = None  # a dict as in vLLM; parsed on creation
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory",
@@ -62,6 +113,10 @@ class EngineConfig:
 
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.world_size > 1:
+            raise ValueError("speculative decoding with a draft model runs on one process: it cannot be combined with "
+                             "tensor_parallel_size or pipeline_parallel_size > 1 (method 'ngram' can)")
 
     @property
     def world_size(self) -> int:

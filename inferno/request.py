@@ -48,6 +48,10 @@ class Request:
         self.block_hashes: list[BlockHash] = []  # prefix-cache identity of each full block of token_ids
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.beam_search_id = beam_search_id  # a beam's search picks its next token, not the scheduler
+        # speculative decoding: draft tokens for the next step (not part of token_ids until accepted) and the
+        # proposer's distributions for them ([k, vocab]; None for n-gram drafts and greedy requests)
+        self.spec_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0

@@ -111,6 +111,35 @@ def test_pipeline_micro_batches_match_one_batch():
             assert all(abs(a[t].logprob - b[t].logprob) < LOGIT_TOLERANCE for t in a)
 
 
+def test_ngram_speculation_with_pipeline_parallelism_matches_plain_decoding(llm):
+    """Drafts are proposed and verified on rank 0 from the last stage's logits: greedy tokens as without
+    speculation, alone (a step with drafts is not cut into pieces) and batched."""
+    story = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on the"
+    prompts = [story, PROMPTS[0]]
+    reference = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True),
+                             use_tqdm=False)
+    clear = [next((i for i, step in enumerate(ref.outputs[0].logprobs) if top2_gap(step) < MIN_MARGIN), 16)
+             for ref in reference]
+    assert clear[0] >= 8
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with parallel_llm(kv_cache_memory=16 << 20, pipeline_parallel_size=2, speculative_config=spec) as spec_llm:
+        alone = spec_llm.generate(story, params, use_tqdm=False)
+        batched = spec_llm.generate(prompts, params, use_tqdm=False)
+        assert spec_llm.llm_engine.spec_decoding_stats.num_accepted_tokens > 0
+        assert spec_llm.llm_engine.num_free_blocks == spec_llm.llm_engine.num_blocks
+    for ref, out, n in zip(reference, alone, clear):
+        assert out.outputs[0].token_ids[:n] == ref.outputs[0].token_ids[:n]
+    for ref, out, n in zip(reference, batched, clear):
+        assert out.outputs[0].token_ids[:n] == ref.outputs[0].token_ids[:n]
+
+
+def test_draft_model_speculation_is_rejected_with_parallelism():
+    with pytest.raises(ValueError, match="draft model runs on one process"):
+        LLM(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "draft.gguf",
+                                                        "num_speculative_tokens": 3})
+
+
 def test_killed_worker_fails_the_engine_fast():
     with parallel_llm(kv_cache_memory=16 << 20, tensor_parallel_size=2) as llm:
         worker = llm.llm_engine.executor.processes[0]

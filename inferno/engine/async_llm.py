@@ -18,6 +18,7 @@ from inferno.executor import ExecutorDeadError
 from inferno.loader.tokenizer import Tokenizer
 from inferno.outputs import RequestOutput
 from inferno.sampling_params import RequestOutputKind, SamplingParams
+from inferno.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("inferno")
 
@@ -39,6 +40,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # prompt tokens looked up, since the engine started
     prefix_cache_hits: int  # of those, tokens found in the cache
     num_cached_blocks: int  # blocks in the prefix cache now
+    spec_decoding_stats: SpecDecodingStats | None = None  # since the engine started; None without speculation
 
 
 class StatLogger(Protocol):
@@ -323,7 +325,8 @@ class AsyncLLM:
                                num_preemptions=scheduler.num_preemptions,
                                prefix_cache_queries=kv_cache.prefix_cache_queries,
                                prefix_cache_hits=kv_cache.prefix_cache_hits,
-                               num_cached_blocks=kv_cache.block_pool.num_cached_blocks)
+                               num_cached_blocks=kv_cache.block_pool.num_cached_blocks,
+                               spec_decoding_stats=scheduler.spec_decoding_stats)
         self.num_waiting_requests = stats.num_waiting_reqs
         for stat_logger in self.stat_loggers:
             try:

@@ -16,6 +16,9 @@ from inferno.executor import ExecutorDeadError, make_executor
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
 from inferno.sampling_params import SamplingParams
+from inferno.spec_decode.draft_model import DraftModelProposer
+from inferno.spec_decode.metrics import SpecDecodingStats
+from inferno.spec_decode.ngram import NgramProposer
 from inferno.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("inferno")
@@ -42,6 +45,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_searches: dict[str, BeamSearch] = {}
+        try:
+            self.proposer = self._proposer()
+        except Exception:
+            self.executor.shutdown()
+            raise
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -55,6 +63,15 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor's ranks; the engine cannot run steps afterwards."""
         self.executor.shutdown()
+
+    def _proposer(self) -> NgramProposer | DraftModelProposer | None:
+        """Draft tokens are proposed on rank 0, between steps."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        return DraftModelProposer(spec, self.config, self.num_blocks, self.model_config)
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
@@ -179,7 +196,10 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        return outputs + self.output_processor.make_outputs(updated)
+        outputs += self.output_processor.make_outputs(updated)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        return outputs
 
     def _advance_beam_searches(self, beams: list[Request], output: ModelRunnerOutput) -> list[RequestOutput]:
         """Hand each beam's log-probabilities to its search; a search whose beams have all reported advances."""
@@ -218,6 +238,11 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Draft tokens proposed and accepted since the engine started (None without speculative decoding)."""
+        return self.scheduler.spec_decoding_stats
 
     @property
     def kv_cache_usage(self) -> float:

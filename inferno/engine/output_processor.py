@@ -67,10 +67,17 @@ class OutputProcessor:
         """Feed a request's new tokens to its detokenizer; returns a stop string if one was hit."""
         _, sample = self.sample_of[req.request_id]
         new_tokens = req.output_token_ids[sample.num_detokenized:]
+        num_before = sample.num_detokenized
         sample.num_detokenized = req.num_output_tokens
         if req.finish_reason == "stop":
             new_tokens = new_tokens[:-1]  # the EOS / stop token itself is not part of the text
-        return sample.detokenizer.update(new_tokens)
+        for i, token_id in enumerate(new_tokens):  # one step can bring several tokens (speculative decoding)
+            stop = sample.detokenizer.update([token_id])
+            if stop is not None:
+                del req.token_ids[req.num_prompt_tokens + num_before + i + 1:]  # tokens after the stop string
+                sample.num_detokenized = req.num_output_tokens
+                return stop
+        return None
 
     def make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
         """RequestOutputs for the requests whose samples changed this step (finished states are dropped)."""

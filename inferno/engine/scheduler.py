@@ -12,6 +12,7 @@ from inferno.config import EngineConfig
 from inferno.engine.kv_cache_manager import KVCacheManager
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.request import Request, RequestStatus
+from inferno.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
@@ -25,6 +26,9 @@ class Scheduler:
         self.forks: dict[str, list[Request]] = {}  # request id -> requests waiting to fork its prompt
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (prefix-cache hits excluded)
+        spec = config.speculative_config
+        self.num_lookahead_tokens = spec.num_lookahead_tokens if spec else 0
+        self.spec_decoding_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec else None
 
     def add_request(self, request: Request, fork_of: Request | None = None) -> None:
         """Queue a request; with `fork_of`, it starts once that request has computed the (same) prompt."""
@@ -46,6 +50,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        spec_token_ids: dict[str, list[int]] = {}
         preempted: list[Request] = []
         # running requests: decodes first, then unfinished prefill chunks
         ordered = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
@@ -54,10 +59,11 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # a decode with k draft tokens is scheduled as 1 + k tokens (fewer drafts when the budget is short)
+            num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             if num_new == 0:
                 continue  # a beam waiting for the rest of its beam search
-            while not self.kv_cache_manager.allocate_slots(req, num_new):
+            while not self.kv_cache_manager.allocate_slots(req, num_new + self.num_lookahead_tokens):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.request_id, 0)
                 self._preempt(victim)
@@ -67,12 +73,15 @@ class Scheduler:
             else:
                 scheduled[req.request_id] = num_new
                 budget -= num_new
+                num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
+                if num_drafts > 0:
+                    spec_token_ids[req.request_id] = req.spec_token_ids[:num_drafts]
         # waiting requests, first come first served; none while memory is short
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             hits = self.kv_cache_manager.get_computed_blocks(req)
             num_new = min(req.num_tokens - len(hits or ()) * self.kv_cache_manager.block_size, budget)
-            if not self.kv_cache_manager.allocate_slots(req, num_new, hits):
+            if not self.kv_cache_manager.allocate_slots(req, num_new + self.num_lookahead_tokens, hits):
                 break
             self.waiting.popleft()
             self._start(req)
@@ -83,7 +92,7 @@ class Scheduler:
             self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
                                                    - req.num_computed_tokens)
         return SchedulerOutput(requests, list(scheduled.values()), preempted,
-                               self.kv_cache_manager.take_block_copies())
+                               self.kv_cache_manager.take_block_copies(), spec_token_ids)
 
     def _start(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
@@ -96,33 +105,47 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.draft_probs = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish stopped requests; returns the requests that
-        got a new token or a prompt-logprob chunk."""
+        got a new token or a prompt-logprob chunk. Rejected draft tokens are not computed: their KV slots are
+        written again by later steps, and a block enters the prefix cache only once all its tokens are accepted."""
         updated = []
         now = time.time()
         for req, n in zip(sched.requests, sched.num_scheduled_tokens):
-            req.num_computed_tokens += n
-            self.kv_cache_manager.cache_blocks(req)
-            if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._start_forks(req)
-            token = output.sampled_token_ids.get(req.request_id)
-            if token is None:
-                if req.request_id in output.prompt_logprobs:
-                    updated.append(req)
+            drafts = sched.spec_token_ids.get(req.request_id, [])
+            req.spec_token_ids, req.draft_probs = [], None
+            tokens = output.sampled_token_ids.get(req.request_id)
+            num_rejected = len(drafts) - (len(tokens) - 1) if tokens is not None and drafts else 0
+            req.num_computed_tokens += n - num_rejected
+            if drafts and self.spec_decoding_stats is not None:
+                self.spec_decoding_stats.observe(len(drafts), len(drafts) - num_rejected)
+            if tokens is None or req.beam_search_id is not None:
+                self.kv_cache_manager.cache_blocks(req)
+                if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                    self._start_forks(req)
+                if tokens is not None or req.request_id in output.prompt_logprobs:
+                    updated.append(req)  # a beam: its search appends tokens and decides when to stop
                 continue
-            if req.beam_search_id is not None:
-                updated.append(req)  # the beam search appends tokens and decides when to stop
-                continue
-            req.append_token(token)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
-            if req.check_stop():
+            stopped = False
+            for token in tokens:  # stop checks token by token; tokens after a stop are dropped
+                req.append_token(token)
+                if req.check_stop():
+                    stopped = True
+                    break
+            # the accepted drafts are in token_ids now (those after a stop are dropped): hash and cache full blocks
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self.kv_cache_manager.cache_blocks(req)
+            if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._start_forks(req)
+            if stopped:
                 self._free(req)
             updated.append(req)
         return updated

@@ -12,6 +12,9 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]  # parallel to `requests`
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) copy-on-write
+    # request id -> draft tokens scheduled after its last token (speculative decoding); counted in
+    # num_scheduled_tokens
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -20,7 +23,9 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # request id -> new token, for requests whose chunk reached the end
+    # request id -> new tokens, for requests whose chunk reached the end: one, or with drafts the accepted ones
+    # followed by a resampled or bonus token
+    sampled_token_ids: dict[str, list[int]]
     # request id -> ([1 + k] token ids, [1 + k] logprobs, rank of the sampled token)
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # request id -> per prompt position: ([1 + k] token ids, [1 + k] logprobs, rank of the prompt token)

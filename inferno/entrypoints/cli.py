@@ -1,9 +1,10 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come."""
 import argparse
+import json
 import sys
 import uuid
 
-from inferno.config import EngineConfig
+from inferno.config import EngineConfig, SpeculativeConfig
 from inferno.engine.llm_engine import LLMEngine
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.server.cli_args import add_server_args, server_config
@@ -28,6 +29,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a rank waits inside a step for the others before the engine fails")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching, help="reuse the KV cache of prompts' common prefixes")
+    parser.add_argument("--speculative-config", type=speculative_config, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
+                             '"num_speculative_tokens": 4}\'')
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    try:
+        return SpeculativeConfig.from_dict(config)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -36,7 +52,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
-                        distributed_timeout=args.distributed_timeout, enable_prefix_caching=args.enable_prefix_caching)
+                        distributed_timeout=args.distributed_timeout, enable_prefix_caching=args.enable_prefix_caching,
+                        speculative_config=args.speculative_config)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -92,25 +92,34 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div_(noise).argmax(dim=-1)
 
 
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution each row samples from, as logits (banned tokens, penalties, temperature, top-k / top-p /
+    min-p applied; greedy rows are left untempered), and the greedy token of each row."""
+    logits = logits.clone()
+    for row, tokens in md.banned_token_ids.items():
+        logits[row, tokens] = NEG_INF
+    if md.penalty_rows:
+        logits = apply_penalties(logits, md)
+    greedy = logits.argmax(dim=-1)
+    if md.all_greedy:
+        return logits, greedy
+    temperature = torch.where(md.temperature > 0, md.temperature, 1.0).unsqueeze(1)
+    logits = logits / temperature
+    if md.top_k is not None or md.top_p is not None:
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    return logits, greedy
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits: [B, vocab] float32, one row per request that produces a token this step."""
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        logits = logits.clone()
-        for row, tokens in md.banned_token_ids.items():
-            logits[row, tokens] = NEG_INF
-        if md.penalty_rows:
-            logits = apply_penalties(logits, md)
-        greedy = logits.argmax(dim=-1)
+        logits, greedy = process_logits(logits, md)
         if md.all_greedy:
             sampled = greedy
         else:
-            temperature = torch.where(md.temperature > 0, md.temperature, 1.0).unsqueeze(1)
-            logits = logits / temperature
-            if md.top_k is not None or md.top_p is not None:
-                logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-            if md.min_p is not None:
-                logits = apply_min_p(logits, md.min_p)
             sampled = random_sample(logits.softmax(dim=-1), md.generators)
             sampled = torch.where(md.temperature > 0, sampled, greedy)
         if raw_logprobs is None:

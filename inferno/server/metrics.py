@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from inferno.engine.async_llm import SchedulerStats
 from inferno.outputs import RequestOutput
+from inferno.spec_decode.metrics import SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0)
@@ -25,6 +26,33 @@ class _RequestTimes:
     last_token_time: float | None = None
     num_generation_tokens: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)  # sample index -> reason
+
+
+class SpecDecodeMetrics:
+    """vLLM's spec_decode counters, advanced by the growth of the engine's cumulative SpecDecodingStats."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"inferno:{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.per_pos = Counter("inferno:spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted tokens per draft position.", ["model_name", "position"], registry=registry)
+        self.model_name = model_name
+        self.seen = SpecDecodingStats(0)
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        self.num_drafts.inc(stats.num_drafts - self.seen.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens - self.seen.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens - self.seen.num_accepted_tokens)
+        seen_per_pos = self.seen.num_accepted_tokens_per_pos or [0] * stats.num_spec_tokens
+        for pos, (now, before) in enumerate(zip(stats.num_accepted_tokens_per_pos, seen_per_pos)):
+            self.per_pos.labels(self.model_name, str(pos)).inc(now - before)
+        self.seen = SpecDecodingStats(stats.num_spec_tokens, stats.num_drafts, stats.num_draft_tokens,
+                                      stats.num_accepted_tokens, list(stats.num_draft_tokens_per_pos),
+                                      list(stats.num_accepted_tokens_per_pos))
 
 
 class PrometheusStatLogger:
@@ -68,6 +96,7 @@ class PrometheusStatLogger:
                                             "Histogram of time spent in WAITING phase for request.",
                                             REQUEST_BUCKETS)
         self._totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self.spec_decode = SpecDecodeMetrics(registry, model_name)
         self._requests: dict[str, _RequestTimes] = {}
 
     def record(self, scheduler_stats: SchedulerStats, outputs: list[RequestOutput], ended: dict[str, str]) -> None:
@@ -80,6 +109,8 @@ class PrometheusStatLogger:
             if total > seen:
                 getattr(self, name).inc(total - seen)
                 self._totals[name] = total
+        if scheduler_stats.spec_decoding_stats is not None:
+            self.spec_decode.record(scheduler_stats.spec_decoding_stats)
         now = time.time()
         for output in outputs:
             self._record_output(output, now)

@@ -3,11 +3,28 @@
 `StepInput` is what every rank needs to run the step's forward passes: plain lists, no Request objects, so it
 pickles small when rank 0 broadcasts it. `StepPlan` adds what only rank 0 needs to sample afterwards.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inferno.engine.kv_cache_manager import cdiv
 from inferno.engine.scheduler_output import SchedulerOutput
 from inferno.request import Request
+
+MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks over cached context up to this long attend as decode rows
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """Tokens of one sequence to run: `token_ids` at positions start.. (start = tokens already in the cache)."""
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+
+    @property
+    def as_decode_rows(self) -> bool:
+        """A decode, or a few tokens over cached context (a decode with drafts to verify, the tail of a chunked
+        prefill or a prefix-cache hit): one decode row per token, each attending up to its own position."""
+        n = len(self.token_ids)
+        return n == 1 or (self.start > 0 and n <= MAX_DECODE_ROWS_PER_CHUNK)
 
 
 @dataclass(slots=True)
@@ -38,6 +55,11 @@ class StepPlan:
     sample_requests: list[Request]
     sample_rows: list[int]
     prompt_logprob_rows: list[tuple[Request, list[int], list[int]]]  # (request, logit rows, prompt tokens scored)
+    # speculative decoding: requests whose drafts are verified, their drafts, and the logit rows of all 1 + k
+    # positions of each (consecutive)
+    spec_requests: list[Request] = field(default_factory=list)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    spec_rows: list[int] = field(default_factory=list)
 
 
 Piece = tuple[Request, int, int]  # a request, the position of its first scheduled token, the number of tokens
@@ -45,10 +67,11 @@ Piece = tuple[Request, int, int]  # a request, the position of its first schedul
 
 def plan_step(sched: SchedulerOutput, block_size: int, num_micro_batches: int = 1) -> StepPlan:
     """Split the scheduled requests into up to `num_micro_batches` batches of similar token counts and lay each
-    out flat. A request scheduled alone is cut into consecutive pieces instead, one per micro-batch: every stage runs
-    the micro-batches in order, so each piece finds the K/V of the pieces before it in the cache."""
+    out flat. A request scheduled alone (without drafts) is cut into consecutive pieces instead, one per
+    micro-batch: every stage runs the micro-batches in order, so each piece finds the K/V of the pieces before it in
+    the cache. A request's draft tokens (speculative decoding) follow its last token."""
     scheduled = [(req, req.num_computed_tokens, n) for req, n in zip(sched.requests, sched.num_scheduled_tokens)]
-    if len(scheduled) == 1:
+    if len(scheduled) == 1 and not sched.spec_token_ids:
         req, c, n = scheduled[0]
         parts = min(num_micro_batches, n)
         groups = [[(req, c + n * i // parts, n * (i + 1) // parts - n * i // parts)] for i in range(parts)]
@@ -61,34 +84,60 @@ def plan_step(sched: SchedulerOutput, block_size: int, num_micro_batches: int = 
             loads[lightest] += piece[2]
     plan = StepPlan(StepInput([], sched.block_copies), [], [], [])
     for group in groups:
-        # decodes first, shortest first (so each attention group pads little), then prefill chunks
-        group.sort(key=lambda piece: (piece[2] > 1, piece[0].num_tokens))
-        plan.step.micro_batches.append(_lay_out(group, block_size, plan))
+        chunks = [(req, TokenChunk((req.token_ids + sched.spec_token_ids.get(req.request_id, []))[c:c + n], c,
+                                   req.block_ids)) for req, c, n in group]
+        # decode rows first, shortest first (so each attention group pads little), then prefill chunks
+        chunks.sort(key=lambda rc: (not rc[1].as_decode_rows, rc[1].start))
+        plan.step.micro_batches.append(_lay_out(chunks, sched.spec_token_ids, block_size, plan))
     return plan
 
 
-def _lay_out(group: list[Piece], block_size: int, plan: StepPlan) -> MicroBatch:
+def lay_out_chunks(chunks: list[TokenChunk], block_size: int) -> MicroBatch:
+    """One flat batch of `chunks` whose logit rows are the last token of each chunk, in the order given."""
+    mb = MicroBatch([], [], [], [], [], [])
+    starts = [0] * len(chunks)
+    for i in sorted(range(len(chunks)), key=lambda i: (not chunks[i].as_decode_rows, chunks[i].start)):
+        starts[i] = _append(mb, chunks[i], block_size)
+    mb.logit_rows = [start + len(chunk.token_ids) - 1 for chunk, start in zip(chunks, starts)]
+    return mb
+
+
+def _append(mb: MicroBatch, chunk: TokenChunk, block_size: int) -> int:
+    """Add a chunk's tokens to the flat batch; returns where they start in it."""
+    start, c, n = len(mb.input_ids), chunk.start, len(chunk.token_ids)
+    pos = range(c, c + n)
+    mb.input_ids.extend(chunk.token_ids)
+    mb.positions.extend(pos)
+    table = chunk.block_ids[:cdiv(c + n, block_size)]
+    mb.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+    if chunk.as_decode_rows:
+        assert not mb.prefills, "decodes must come before prefill chunks"
+        mb.decodes.extend((p + 1, table[:cdiv(p + 1, block_size)]) for p in pos)
+    else:
+        mb.prefills.append((n, c, table))
+    return start
+
+
+def _lay_out(chunks: list[tuple[Request, TokenChunk]], spec_token_ids: dict[str, list[int]], block_size: int,
+             plan: StepPlan) -> MicroBatch:
     mb = MicroBatch([], [], [], [], [], [])
     first_logit = plan.step.num_logit_rows
-    for req, c, n in group:
-        start = len(mb.input_ids)
-        pos = range(c, c + n)
-        mb.input_ids.extend(req.token_ids[c:c + n])
-        mb.positions.extend(pos)
-        table = req.block_ids[:cdiv(c + n, block_size)]
-        mb.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
-        if n == 1:
-            assert not mb.prefills, "decodes must come before prefill chunks"
-            mb.decodes.append((c + 1, table))
-        else:
-            mb.prefills.append((n, c, table))
-        if c + n == req.num_tokens:
+    for req, chunk in chunks:
+        start = _append(mb, chunk, block_size)
+        c, n = chunk.start, len(chunk.token_ids)
+        drafts = spec_token_ids.get(req.request_id)
+        if drafts:  # the target's distributions at the last token and after every draft
+            plan.spec_requests.append(req)
+            plan.spec_token_ids.append(drafts)
+            plan.spec_rows.extend(range(first_logit + len(mb.logit_rows), first_logit + len(mb.logit_rows) + n))
+            mb.logit_rows.extend(range(start, start + n))
+        elif c + n == req.num_tokens:
             plan.sample_requests.append(req)
             plan.sample_rows.append(first_logit + len(mb.logit_rows))
             mb.logit_rows.append(start + n - 1)
         if req.sampling_params.prompt_logprobs is not None:
             # the logits at prompt position p score prompt token p + 1
-            targets = [p for p in pos if p + 1 < req.num_prompt_tokens and p + 1 >= len(req.prompt_logprobs)]
+            targets = [p for p in range(c, c + n) if p + 1 < req.num_prompt_tokens and p + 1 >= len(req.prompt_logprobs)]
             if targets:
                 rows = list(range(first_logit + len(mb.logit_rows), first_logit + len(mb.logit_rows) + len(targets)))
                 mb.logit_rows.extend(start + p - c for p in targets)

@@ -8,6 +8,7 @@ from inferno.engine.kv_cache_manager import cdiv
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.kernels import paged_attention
 from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows
+from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
 from inferno.request import Request
@@ -84,22 +85,37 @@ class ModelRunner:
         out = ModelRunnerOutput(sampled_token_ids={})
         requests = plan.sample_requests
         if requests:
-            result = self.sampler(logits[plan.sample_rows], self._sampling_metadata(requests))
+            md = sampling_metadata([(r, []) for r in requests], self.config.vocab_size)
+            result = self.sampler(logits[plan.sample_rows], md)
             sampled = result.sampled_token_ids.tolist()
             for i, req in enumerate(requests):
-                out.sampled_token_ids[req.request_id] = sampled[i]
+                out.sampled_token_ids[req.request_id] = [sampled[i]]
             if result.logprobs is not None:
                 ids, values, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()
                 for i, req in enumerate(requests):
                     if req.sampling_params.logprobs is not None:
                         k = 1 + req.sampling_params.logprobs
                         out.logprobs[req.request_id] = (ids[i][:k], values[i][:k], ranks[i])
+        if plan.spec_requests:
+            self._verify_drafts(plan, logits, out)
         for req, rows, targets in plan.prompt_logprob_rows:
             logprobs = logits[rows].log_softmax(dim=-1)
             result = gather_logprobs(logprobs, torch.tensor(targets), req.sampling_params.prompt_logprobs)
             out.prompt_logprobs.setdefault(req.request_id, []).extend(zip(
                 result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
         return out
+
+    def _verify_drafts(self, plan: StepPlan, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Target logits at all 1 + k positions of each speculating request -> rejection sampling."""
+        metadata_rows, drafts = [], []
+        for req, tokens in zip(plan.spec_requests, plan.spec_token_ids):
+            metadata_rows.extend((req, tokens[:j]) for j in range(len(tokens) + 1))
+            probs = None if req.draft_probs is None else req.draft_probs[:len(tokens)]
+            drafts.append(Drafts(tokens, probs, req.generator))
+        md = sampling_metadata(metadata_rows, self.config.vocab_size)
+        emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
+        for req, tokens in zip(plan.spec_requests, emitted):
+            out.sampled_token_ids[req.request_id] = tokens
 
     def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         return block_rows(block_ids, self.num_kv_heads, self.num_blocks)
@@ -124,39 +140,43 @@ class ModelRunner:
             group.mask = (torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
         return group
 
-    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
-        params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
-        penalty_rows = [i for i, p in enumerate(params)
-                        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
-        banned = {}
-        for i, r in enumerate(requests):
-            if r.num_output_tokens < r.sampling_params.min_tokens:
-                banned[i] = sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
 
-        def column(name: str, off, dtype) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in params]
-            if name == "top_k":
-                values = [min(k, self.config.vocab_size) for k in values]
-            return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype)
+def sampling_metadata(rows: list[tuple[Request, list[int]]], vocab_size: int) -> SamplingMetadata:
+    """One row per (request, draft tokens before the position): penalties and min_tokens see the output so far
+    plus those drafts."""
+    requests = [r for r, _ in rows]
+    params = [r.sampling_params for r in requests]
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+    penalty_rows = [i for i, p in enumerate(params)
+                    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+    banned = {}
+    for i, (r, drafts) in enumerate(rows):
+        if r.num_output_tokens + len(drafts) < r.sampling_params.min_tokens:
+            banned[i] = sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
 
-        def penalty(name: str) -> torch.Tensor | None:
-            return torch.tensor([getattr(params[i], name) for i in penalty_rows]) if penalty_rows else None
+    def column(name: str, off, dtype) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in params]
+        if name == "top_k":
+            values = [min(k, vocab_size) for k in values]
+        return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype)
 
-        return SamplingMetadata(
-            temperature=temperature,
-            all_greedy=all(p.greedy for p in params),
-            top_k=column("top_k", 0, torch.long),
-            top_p=column("top_p", 1.0, torch.float32),
-            min_p=column("min_p", 0.0, torch.float32),
-            generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None},
-            penalty_rows=penalty_rows,
-            repetition_penalty=penalty("repetition_penalty"),
-            presence_penalty=penalty("presence_penalty"),
-            frequency_penalty=penalty("frequency_penalty"),
-            prompt_token_ids=[requests[i].prompt_token_ids for i in penalty_rows],
-            output_token_ids=[requests[i].output_token_ids for i in penalty_rows],
-            banned_token_ids={i: t for i, t in banned.items() if t},
-            max_num_logprobs=max(wanted) if wanted else None,
-        )
+    def penalty(name: str) -> torch.Tensor | None:
+        return torch.tensor([getattr(params[i], name) for i in penalty_rows]) if penalty_rows else None
+
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=all(p.greedy for p in params),
+        top_k=column("top_k", 0, torch.long),
+        top_p=column("top_p", 1.0, torch.float32),
+        min_p=column("min_p", 0.0, torch.float32),
+        generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None},
+        penalty_rows=penalty_rows,
+        repetition_penalty=penalty("repetition_penalty"),
+        presence_penalty=penalty("presence_penalty"),
+        frequency_penalty=penalty("frequency_penalty"),
+        prompt_token_ids=[requests[i].prompt_token_ids for i in penalty_rows],
+        output_token_ids=[requests[i].output_token_ids + rows[i][1] for i in penalty_rows],
+        banned_token_ids={i: t for i, t in banned.items() if t},
+        max_num_logprobs=max(wanted) if wanted else None,
+    )

@@ -1,0 +1,16 @@
+"""Speculative decoding: proposers of draft tokens (n-gram prompt lookup, a draft model)."""
+from inferno.request import Request, RequestStatus
+
+
+def num_drafts_wanted(request: Request, num_speculative_tokens: int) -> int:
+    """How many draft tokens to propose for a request after this step (0: it does not speculate).
+
+    Only requests that decode next (their one new token is all that is left to compute) speculate, and never past
+    max_tokens: a step emits at most drafts + 1 tokens. Requests that want logprobs do not speculate (their
+    logprobs would have to come from the verification pass), nor do beams (their search picks every token)."""
+    if (request.status != RequestStatus.RUNNING or request.sampling_params.logprobs is not None
+            or request.beam_search_id is not None):
+        return 0
+    if request.num_computed_tokens != request.num_tokens - 1:
+        return 0
+    return max(0, min(num_speculative_tokens, request.max_tokens - request.num_output_tokens - 1))

@@ -1,0 +1,131 @@
+"""The rejection sampler emits tokens distributed exactly as the target's; n-gram lookup; speculative_config checks.
+
+Statistical tests: chi-square goodness of fit over many samples on a 6-token vocabulary, each at a false-alarm rate
+fixed up front (p-value threshold 1e-3); every test also shows the same check rejects a wrong distribution.
+"""
+import numpy as np
+import pytest
+import torch
+
+from inferno.config import EngineConfig, SpeculativeConfig
+from inferno.layers.rejection_sampler import Drafts, rejection_sample
+from inferno.layers.sampler import SamplingMetadata
+from inferno.spec_decode.ngram import ngram_lookup
+
+P_VALUE_THRESHOLD = 1e-3
+NUM_TRIALS = 20000
+# target distributions p_0, p_1, p_2 (for the tokens after 0, 1 and 2 drafts) and draft distributions q_0, q_1
+TARGET = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.07, 0.03],
+                       [0.05, 0.10, 0.40, 0.05, 0.30, 0.10],
+                       [0.10, 0.10, 0.10, 0.20, 0.20, 0.30]])
+DRAFT = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.10, 0.10],
+                      [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]])
+
+
+def metadata(num_rows: int, temperature: float = 1.0) -> SamplingMetadata:
+    return SamplingMetadata(temperature=torch.full((num_rows,), temperature), all_greedy=temperature == 0,
+                            top_k=None, top_p=None, min_p=None, generators={}, penalty_rows=[],
+                            repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+                            prompt_token_ids=[], output_token_ids=[], banned_token_ids={}, max_num_logprobs=None)
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2), statistic / 2))
+
+
+def emitted_tokens(drafts: list[list[int]], draft_probs: torch.Tensor | None) -> list[list[int]]:
+    k = len(drafts[0])
+    logits = TARGET[:k + 1].log().repeat(len(drafts), 1)
+    batch = [Drafts(d, None if draft_probs is None else draft_probs, None) for d in drafts]
+    return rejection_sample(logits, metadata(len(logits)), batch)
+
+
+def assert_position_matches(emitted: list[list[int]], position: int, probs: torch.Tensor) -> None:
+    tokens = torch.tensor([e[position] for e in emitted if len(e) > position])
+    assert len(tokens) > 1000
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    assert chi_square_p_value(counts, probs.double()) > P_VALUE_THRESHOLD
+    # the check has power: the same samples do not fit a wrong distribution (here the draft's q or a shifted p)
+    assert chi_square_p_value(counts, probs.roll(1).double()) < P_VALUE_THRESHOLD
+
+
+def test_drafts_from_a_different_distribution_yield_the_target_distribution():
+    torch.manual_seed(0)
+    drafts = torch.stack([torch.multinomial(DRAFT[j], NUM_TRIALS, replacement=True) for j in range(2)], dim=1)
+    emitted = emitted_tokens(drafts.tolist(), DRAFT)
+    assert_position_matches(emitted, 0, TARGET[0])
+    assert_position_matches(emitted, 1, TARGET[1])  # reached only after the first draft was accepted
+    assert_position_matches(emitted, 2, TARGET[2])  # the bonus token
+    first = torch.tensor([e[0] for e in emitted])
+    assert chi_square_p_value(torch.bincount(first, minlength=6).double(), DRAFT[0].double()) < P_VALUE_THRESHOLD
+
+
+def test_point_mass_drafts_yield_the_target_distribution():
+    """n-gram drafts carry no distribution: q is one-hot on the proposed token."""
+    torch.manual_seed(1)
+    emitted = emitted_tokens([[1, 4]] * NUM_TRIALS, None)
+    assert_position_matches(emitted, 0, TARGET[0])
+    assert_position_matches(emitted, 1, TARGET[1])
+    accepted_first = sum(len(e) > 1 for e in emitted) / NUM_TRIALS
+    assert abs(accepted_first - TARGET[0, 1].item()) < 0.02  # accepted with probability p_0(1)
+
+
+def test_draft_identical_to_target_is_always_accepted():
+    torch.manual_seed(2)
+    drafts = torch.stack([torch.multinomial(TARGET[j], 500, replacement=True) for j in range(2)], dim=1)
+    emitted = emitted_tokens(drafts.tolist(), TARGET[:2])
+    assert all(e[:2] == d for e, d in zip(emitted, drafts.tolist()))
+    assert all(len(e) == 3 for e in emitted)
+
+
+def test_greedy_accepts_while_drafts_equal_the_argmax():
+    logits = TARGET.log()  # argmax 0, then 2, then 5
+    cases = {(0, 2): [0, 2, 5], (0, 3): [0, 2], (1, 2): [0], (0,): [0, 2]}
+    for draft, expected in cases.items():
+        rows = logits[:len(draft) + 1]
+        assert rejection_sample(rows, metadata(len(rows), 0.0), [Drafts(list(draft), None, None)]) == [expected]
+
+
+def test_seeded_verification_is_reproducible():
+    def run(seed: int) -> list[list[int]]:
+        batch = [Drafts([1, 4], None, torch.Generator().manual_seed(seed + i)) for i in range(50)]
+        return rejection_sample(TARGET.log().repeat(50, 1), metadata(150), batch)
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+# n-gram prompt lookup
+def test_ngram_proposes_what_followed_the_latest_match():
+    tokens = np.array([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3])
+    assert ngram_lookup(tokens, 1, 3, 2) == [7, 8]  # the latest earlier "1 2 3" was followed by 7 8
+    assert ngram_lookup(tokens, 1, 3, 10) == [7, 8, 5, 1, 2, 3]  # runs up to the end of the sequence
+    assert ngram_lookup(np.array([4, 5, 6, 5]), 1, 3, 3) == [6, 5]  # only a 1-gram matches
+    assert ngram_lookup(np.array([4, 5, 6, 5]), 2, 3, 3) == []  # shorter than prompt_lookup_min
+    assert ngram_lookup(np.array([4]), 1, 3, 3) == []
+
+
+# speculative_config
+def test_speculative_config_follows_vllm():
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 5, 4, 4)
+    draft = SpeculativeConfig.from_dict({"model": "draft.gguf", "num_speculative_tokens": 3})
+    assert (draft.method, draft.num_lookahead_tokens) == ("draft_model", 3)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram"}, "num_speculative_tokens must be a positive integer"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_min \\(3\\) must be <= prompt_lookup_max \\(2\\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
+    ("ngram", "must be a dict"),
+])
+def test_bad_speculative_config_is_a_value_error(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=config)
