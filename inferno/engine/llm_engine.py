@@ -27,7 +27,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.torch_dtype)
+        loaded = load_model(config.model, config.torch_dtype, config.quantization, config.quantization_group_size)
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

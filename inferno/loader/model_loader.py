@@ -10,6 +10,7 @@ from inferno.config import ModelConfig
 from inferno.loader import gguf as gguf_loader
 from inferno.loader import safetensors as hf_loader
 from inferno.loader.tokenizer import Tokenizer
+from inferno.layers.quantization import GroupQuantized, quantize_linears
 from inferno.layers.rotary import interleave_rotary_rows
 from inferno.model.llama import LlamaForCausalLM
 
@@ -38,7 +39,9 @@ class LoadedModel:
     path: str
 
 
-def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype, quantization: str | None = None,
+               group_size: int = 32) -> LoadedModel:
+    """`quantization` "int8" / "int4" (groups of `group_size`) swaps the projections for quantized layers."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
@@ -46,17 +49,18 @@ def load_model(path: str | None, dtype: torch.dtype) -> LoadedModel:
     if p.is_file():
         reader = gguf_loader.open_gguf(path)
         config = gguf_loader.read_config(reader)
-        weights = gguf_loader.iter_weights(reader, config)
+        weights = gguf_loader.iter_weights(reader, config, group_size if quantization == "int4" else None)
         tokenizer = Tokenizer.from_gguf(reader)
     else:
         config = hf_loader.read_config(p)
         weights = hf_loader.iter_weights(p)
         tokenizer = Tokenizer.from_hf_folder(path)
-    model = build_model(config, dtype, weights)
+    model = build_model(config, dtype, weights, quantization, group_size)
     return LoadedModel(model, config, tokenizer, path)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
+def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]],
+                quantization: str | None = None, group_size: int = 32) -> LlamaForCausalLM:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -67,17 +71,31 @@ def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple
     model.to_empty(device="cpu")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    load_weights(model, weights)
+    prequantized = load_weights(model, weights)
+    if quantization is not None:
+        quantize_linears(model, quantization, group_size, prequantized)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: LlamaForCausalLM,
+                 weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]]) -> dict[str, GroupQuantized]:
+    """Float weights go into the parameters; 4-bit codes are returned per layer (fused shards concatenated)
+    for packing, or dequantized into the parameter when only some shards of a fused layer came as codes."""
     config = model.config
     params = dict(model.named_parameters(remove_duplicate=False))
     q_size = config.num_attention_heads * config.head_dim
     kv_size = config.num_key_value_heads * config.head_dim
     qkv_offsets = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
+
+    def shard_rows(target: str, shard: int) -> slice:
+        if "qkv_proj" in target:
+            return slice(qkv_offsets[shard], qkv_offsets[shard + 1])
+        if "gate_up_proj" in target:
+            return slice(shard * config.intermediate_size, (shard + 1) * config.intermediate_size)
+        return slice(None)
+
     loaded = set()
+    codes: dict[str, dict[int, GroupQuantized]] = {}
     for name, w in weights:
         if name == "rope_freqs":
             model.rotary.set_freq_factors(w)
@@ -86,31 +104,37 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             continue
         name = name.removeprefix("model.")
         module_path, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
+        shard = 0
         if proj in PACKED:
             fused, shard = PACKED[proj]
             if proj in ("q_proj", "k_proj"):
                 heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
-                w = interleave_rotary_rows(w, heads)
-            target = f"{module_path}.{fused}.{kind}"
-            param = params[target]
-            if fused == "qkv_proj":
-                lo, hi = qkv_offsets[shard], qkv_offsets[shard + 1]
-            else:
-                size = config.intermediate_size
-                lo, hi = shard * size, (shard + 1) * size
-            param.data[lo:hi].copy_(w)
-            loaded.add((target, shard))
+                w = w.map_rows(lambda t: interleave_rotary_rows(t, heads)) if isinstance(w, GroupQuantized) \
+                    else interleave_rotary_rows(w, heads)
+            name = f"{module_path}.{fused}.{kind}"
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
+        if isinstance(w, GroupQuantized):
+            codes.setdefault(name, {})[shard] = w
         else:
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
-            if params[name].shape != w.shape:
+            rows = shard_rows(name, shard)
+            if params[name].data[rows].shape != w.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-            params[name].data.copy_(w)
-            loaded.add((name, 0))
-    expected = {(n, s) for n in params for s in (range(3) if "qkv_proj" in n else range(2) if "gate_up" in n else [0])}
+                                 f"expected {tuple(params[name].data[rows].shape)}")
+            params[name].data[rows].copy_(w)
+        loaded.add((name, shard))
+    shards_of = {n: 3 if "qkv_proj" in n else 2 if "gate_up" in n else 1 for n in params}
+    expected = {(n, s) for n, count in shards_of.items() for s in range(count)}
     if config.tie_word_embeddings:
         expected.discard(("lm_head.weight", 0))
     missing = sorted(n for n, _ in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+    prequantized = {}
+    for name, shards in codes.items():
+        if len(shards) == shards_of[name]:
+            prequantized[name.removesuffix(".weight")] = GroupQuantized.cat([shards[i] for i in sorted(shards)])
+        else:
+            for shard, w in shards.items():
+                params[name].data[shard_rows(name, shard)].copy_(w.dequantize())
+    return prequantized
