@@ -31,7 +31,7 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("batch", [1, 7, 40])  # 40 rows: dequantize-then-GEMM path
 def test_int8_matmul_matches_dequantized_reference(batch):
     lin = linear(96, 64, bias=True)
     codes, scales = quantize_int8(lin.weight)
@@ -41,10 +41,11 @@ def test_int8_matmul_matches_dequantized_reference(batch):
     assert relative_error(ref, lin(x)) < 2e-2  # and int8 itself is close to the float weights
 
 
+@pytest.mark.parametrize("rows", [5, 100])  # 100 rows: dequantize-then-GEMM path
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_matmul_matches_dequantized_reference(group_size):
-    lin = linear(64, 96)  # 96 columns: padded up to a multiple of 64 / 128
-    x = torch.randn(5, 96)
+def test_int4_matmul_matches_dequantized_reference(group_size, rows):
+    lin = linear(128, 96)  # 96 columns: padded up to a multiple of 64 / 128
+    x = torch.randn(rows, 96)
     padded = torch.nn.functional.pad(lin.weight, (0, -96 % group_size))
     ref = x @ quantize_int4(padded, group_size).dequantize()[:, :96].t()
     assert relative_error(Int4Linear.from_float(lin, group_size)(x), ref) < 1e-2
