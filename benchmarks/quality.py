@@ -64,10 +64,15 @@ CONFIGURATIONS = {
     "float32": Configuration("float32", {"dtype": "float32"}),
     "bfloat16": Configuration("bfloat16", {"dtype": "bfloat16"}),
     "int8": Configuration("int8 weights (bf16 activations)", {"quantization": "int8"}),
-    "int8-fp32": Configuration("int8 weights (float32 model, bf16 at the matmuls)", {"quantization": "int8", "dtype": "float32"}),
+    "int8-fp32": Configuration("int8 weights, float32 activations between the matmuls",
+                               {"quantization": "int8", "dtype": "float32"}),
     "int4-g32": Configuration("int4 weights, group 32", {"quantization": "int4", "quantization_group_size": 32}),
     "int4-g64": Configuration("int4 weights, group 64", {"quantization": "int4", "quantization_group_size": 64}),
     "int4-g128": Configuration("int4 weights, group 128", {"quantization": "int4", "quantization_group_size": 128}),
+    "kv-int8": Configuration("float32, int8 KV cache", {"kv_cache_dtype": "int8"}),
+    "kv-fp8": Configuration("float32, fp8 (e4m3) KV cache", {"kv_cache_dtype": "fp8_e4m3"}),
+    "int4-g32-kv-int8": Configuration("int4 weights (group 32) + int8 KV cache",
+                                      {"quantization": "int4", "kv_cache_dtype": "int8"}),
 }
 
 

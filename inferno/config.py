@@ -34,6 +34,7 @@ class ModelConfig:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATION_METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: int = 4 << 30  # bytes for the KV cache pool (vLLM's CPU default is 4 GiB)
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8" / "fp8_e4m3": codes + per-token-per-head scales
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     num_threads: int | None = None
@@ -57,6 +59,8 @@ class EngineConfig:
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, "
                              f"got {self.quantization_group_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.quantization else "float32"
         if self.dtype not in DTYPES:

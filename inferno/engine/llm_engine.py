@@ -31,7 +31,8 @@ class LLMEngine:
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        num_blocks = config.kv_cache_memory // kv_bytes_per_block(loaded.config, config.block_size, config.torch_dtype)
+        num_blocks = config.kv_cache_memory // kv_bytes_per_block(loaded.config, config.block_size, config.torch_dtype,
+                                                                  config.kv_cache_dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one KV block")
         self.num_blocks = num_blocks

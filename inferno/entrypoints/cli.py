@@ -20,6 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=[32, 64, 128], help="int4: input columns per scale and zero point")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8", "fp8_e4m3"],
+                        help="KV cache storage (auto: the model dtype; int8/fp8: per-token-per-head scales)")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -29,7 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                         quantization_group_size=args.quantization_group_size, max_model_len=args.max_model_len,
-                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                        block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         num_threads=args.num_threads)
 
