@@ -19,6 +19,7 @@ from inferno import LLM, SamplingParams
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.partition import split_heads
 from inferno.executor import ExecutorDeadError
+from inferno.layers.quantization import Int4Linear, Int8Linear
 from inferno.model.llama import LlamaForCausalLM
 from test_model_vs_hf import PROMPTS, write_tiny_hf_model
 from test_server import RemoteServer
@@ -138,6 +139,29 @@ def test_draft_model_speculation_is_rejected_with_parallelism():
     with pytest.raises(ValueError, match="draft model runs on one process"):
         LLM(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "draft.gguf",
                                                         "num_speculative_tokens": 3})
+
+
+def test_pipeline_with_int4_weights_and_int8_kv_cache_matches_one_process():
+    """Each stage loads and quantizes only its own layers, with its layers' KV cache in int8."""
+    quantized = dict(quantization="int4", kv_cache_dtype="int8", kv_cache_memory=16 << 20)
+    single = LLM(**quantized)
+    prompts = [PROMPTS[0], "Hello, my name is"]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    reference = single.generate(prompts, params, use_tqdm=False)
+    with parallel_llm(pipeline_parallel_size=2, **quantized) as llm:
+        model = llm.llm_engine.model_runner.model
+        assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks
+        assert isinstance(model.lm_head, Int8Linear)
+        assert all(isinstance(model.layers[i].mlp.down_proj, Int4Linear) for i in model.stage_layers)
+        assert len(model.stage_layers) < single.llm_engine.model_config.num_hidden_layers
+        assert all(a.k_cache.dtype == torch.int8 and a.k_scale is not None for a in model.attention_layers)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    # bfloat16 activations: the same kernels on other thread counts round differently in the last bits
+    for ref, out in zip(reference, outputs):
+        ref, out = ref.outputs[0], out.outputs[0]
+        clear = next((i for i, step in enumerate(ref.logprobs) if top2_gap(step) < 0.05), len(ref.logprobs))
+        assert clear >= 3, "reference has an early near-tie; pick another prompt"
+        assert out.token_ids[:clear] == ref.token_ids[:clear]
 
 
 def test_killed_worker_fails_the_engine_fast():

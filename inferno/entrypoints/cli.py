@@ -13,9 +13,16 @@ from inferno.server.cli_args import add_server_args, server_config
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="activation dtype (auto: bfloat16 with --quantization, else float32)")
+    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                        help="weight-only quantization of the linear layers (default: none)")
+    parser.add_argument("--quantization-group-size", type=int, default=d.quantization_group_size,
+                        choices=[32, 64, 128], help="int4: input columns per scale and zero point")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8", "fp8_e4m3"],
+                        help="KV cache storage (auto: the model dtype; int8/fp8: per-token-per-head scales)")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -47,8 +54,10 @@ def speculative_config(text: str) -> SpeculativeConfig:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+    return EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                        quantization_group_size=args.quantization_group_size, max_model_len=args.max_model_len,
+                        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                        block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,

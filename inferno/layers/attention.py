@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferno.kernels import paged_attention
+from inferno.layers.kv_quantization import gather_kv, write_kv
 
 
 @dataclass(slots=True)
@@ -68,17 +69,29 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # quantized KV cache (int8 / fp8 codes in k_cache / v_cache): per-token-per-head scales; None otherwise
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         self.kernels = paged_attention()
 
     def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
-        """Copy-on-write: whole blocks of this layer's cache, `sources[i]` to `destinations[i]`."""
-        for cache in (self.k_cache, self.v_cache):
+        """Copy-on-write: whole blocks of this layer's cache, `sources[i]` to `destinations[i]` (a quantized cache's
+        codes, as bytes: CPU indexing has no fp8 kernel, and their scales)."""
+        if self.k_scale is None:
+            tensors = (self.k_cache, self.v_cache)
+        else:
+            tensors = (self.k_cache.view(torch.uint8), self.v_cache.view(torch.uint8), self.k_scale, self.v_scale)
+        for cache in tensors:
             cache[:, destinations] = cache[:, sources]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
-        self.k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        self.v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if self.k_scale is None:
+            self.k_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            self.v_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        else:
+            write_kv(self.k_cache, self.k_scale, meta.slot_mapping, k)
+            write_kv(self.v_cache, self.v_scale, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.start:group.end] = self._decode(q[group.start:group.end], group)
@@ -90,12 +103,17 @@ class Attention(nn.Module):
                 attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=self.scale,
                                                       enable_gqa=True)
             else:
-                keys = gather(self.k_cache, chunk.block_rows).unsqueeze(0)
-                values = gather(self.v_cache, chunk.block_rows).unsqueeze(0)
+                keys, values = self._gather_kv(chunk.block_rows, q.dtype)
+                keys, values = keys.unsqueeze(0), values.unsqueeze(0)
                 attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=self.scale,
                                                       enable_gqa=True)
             out[chunk.start:chunk.end] = attn.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], -1)
+
+    def _gather_kv(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k_scale is None:
+            return gather(self.k_cache, rows), gather(self.v_cache, rows)
+        return gather_kv(self.k_cache, self.k_scale, rows, dtype), gather_kv(self.v_cache, self.v_scale, rows, dtype)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         if group.block_rows is None:
@@ -107,8 +125,9 @@ class Attention(nn.Module):
         """One query per request: scores [kv_heads, B, q_per_kv, L] from one batched matmul over gathered blocks."""
         batch = q.shape[0]
         q_per_kv = self.num_heads // self.num_kv_heads
-        keys = gather(self.k_cache, group.block_rows).view(self.num_kv_heads, batch, -1, self.head_dim)
-        values = gather(self.v_cache, group.block_rows).view(self.num_kv_heads, batch, -1, self.head_dim)
+        keys, values = self._gather_kv(group.block_rows, q.dtype)
+        keys = keys.view(self.num_kv_heads, batch, -1, self.head_dim)
+        values = values.view(self.num_kv_heads, batch, -1, self.head_dim)
         query = q.view(batch, self.num_kv_heads, q_per_kv, self.head_dim).transpose(0, 1)
         scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(self.scale)
         scores.masked_fill_(~group.mask, float("-inf"))

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from inferno.config import ModelConfig
+from inferno.layers.quantization import GroupQuantized
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -70,7 +71,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     )
 
 
-def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's interleaved-rotary row order, back to Hugging Face's rotate-half layout."""
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -82,15 +83,42 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{LAYER_TENSORS[rest]}" if rest in LAYER_TENSORS else None
 
 
-def iter_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+Q4_BLOCK_SIZE = 32
+Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+
+
+def q4_codes(tensor: gguf.ReaderTensor) -> GroupQuantized:
+    """A Q4_0 / Q4_1 matrix as 4-bit codes with a scale and a min per block of 32, without dequantizing.
+
+    A block is an fp16 scale d (Q4_1: then an fp16 min m) and 16 bytes holding 32 codes, low nibbles first:
+    w = q * d + m (Q4_0: w = (q - 8) * d).
+    """
+    raw = np.asarray(tensor.data)
+    rows = raw.shape[0]
+    has_min = tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    header = 4 if has_min else 2
+    blocks = raw.reshape(rows, -1, header + Q4_BLOCK_SIZE // 2)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * scales
+    packed = blocks[..., header:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    return GroupQuantized(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins))
+
+
+def iter_weights(reader: gguf.GGUFReader, config: ModelConfig,
+                 int4_group_size: int | None = None) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+    """HF-named weights; with `int4_group_size=32`, Q4_0/Q4_1 projection weights come as 4-bit codes."""
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file")
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if config.architecture == "llama":
-            if name.endswith("q_proj.weight"):
-                w = unpermute_rotary(w, config.num_attention_heads)
-            elif name.endswith("k_proj.weight"):
-                w = unpermute_rotary(w, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy of the memory map
+        if (int4_group_size == Q4_BLOCK_SIZE and tensor.tensor_type in Q4_TYPES and name.endswith("proj.weight")):
+            w = q4_codes(tensor)
+        else:
+            w = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                                          dtype=np.float32))  # a writable copy of the memory map
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if name.endswith("q_proj.weight") else config.num_key_value_heads
+            w = w.map_rows(lambda t: unpermute_rotary(t, heads)) if isinstance(w, GroupQuantized) \
+                else unpermute_rotary(w, heads)
+        yield name, w

@@ -9,6 +9,7 @@ from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.kernels import paged_attention
 from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
+from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
 from inferno.request import Request
@@ -19,9 +20,9 @@ from inferno.worker.cpu_malloc import keep_freed_memory
 DECODE_GROUP_SIZE = 32  # PyTorch path: decodes sorted by length are attended in groups padded to their longest
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    element = kv_element_bytes(kv_cache_dtype, dtype, config.head_dim)
+    return int(2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element)
 
 
 class ModelRunner:
@@ -35,16 +36,22 @@ class ModelRunner:
         self.parallel = parallel
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
-        self.use_kernels = paged_attention() is not None
+        quantized_kv = engine_config.kv_cache_dtype != "auto"
+        # the native decode kernel reads float caches; a quantized cache is dequantized on the PyTorch path
+        self.use_kernels = paged_attention() is not None and not quantized_kv
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         keep_freed_memory()
         # zeros, not empty: masked-out slots are still multiplied by zero weights, and stale NaN/inf garbage would
         # turn that into NaN
+        cache_dtype = KV_CACHE_DTYPES[engine_config.kv_cache_dtype] if quantized_kv else self.dtype
         for attn in model.attention_layers:
-            shape = (attn.num_kv_heads, num_blocks, self.block_size, self.config.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype)
+            shape = (attn.num_kv_heads, num_blocks, self.block_size, self.config.head_dim)  # this rank's heads
+            attn.k_cache = torch.zeros(shape, dtype=cache_dtype)
+            attn.v_cache = torch.zeros(shape, dtype=cache_dtype)
+            if quantized_kv:
+                attn.k_scale = torch.zeros(shape[:-1])
+                attn.v_scale = torch.zeros(shape[:-1])
         self.num_kv_heads = model.attention_layers[0].num_kv_heads
 
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""One rank: loads its shard of the model and owns its ModelRunner and KV cache shard."""
+"""One rank: loads (and quantizes) its shard of the model and owns its ModelRunner and KV cache shard."""
 import torch.distributed as dist
 
 from inferno.config import EngineConfig, ModelConfig
@@ -10,7 +10,8 @@ from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     """Blocks in the KV cache pool, counted on the whole model's layers and heads: every rank holds the same block
     ids, each for its own layers (pipeline) or heads (tensor parallel)."""
-    num_blocks = config.kv_cache_memory // kv_bytes_per_block(model_config, config.block_size, config.torch_dtype)
+    num_blocks = config.kv_cache_memory // kv_bytes_per_block(model_config, config.block_size, config.torch_dtype,
+                                                              config.kv_cache_dtype)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one KV block")
     return num_blocks
@@ -18,7 +19,8 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
 
 class Worker:
     def __init__(self, config: EngineConfig, parallel: ParallelRank = SINGLE):
-        loaded = load_model(config.model, config.torch_dtype, parallel)
+        loaded = load_model(config.model, config.torch_dtype, parallel, config.quantization,
+                            config.quantization_group_size)
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

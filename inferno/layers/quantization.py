@@ -1,0 +1,155 @@
+"""Weight-only quantized linear layers on PyTorch's packed low-bit CPU kernels.
+
+- int8: per-output-channel absmax scales, `torch._weight_int8pack_mm`.
+- int4: group-wise unsigned 4-bit with a scale and a min per group (w = q * scale + min, the GGUF Q4_0/Q4_1
+  block form), `torch._weight_int4pack_mm_for_cpu`. Its scale-and-zero table stores the zero at the middle
+  code: w = (q - 8) * scale + zero, zero = min + 8 * scale.
+
+Both kernels run fast only with bfloat16 activations (float32 activations are 10-50x slower on torch 2.13 CPU),
+so the layers compute in bfloat16 and return the caller's dtype.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+COMPUTE_DTYPE = torch.bfloat16
+# From this many rows (prefill, large batches), dequantizing the weight once and running the dense bf16 GEMM beats
+# the packed kernels, which are tuned for matrix-vector products (3072x576 weight, 512 rows, one core: 41-45 ms
+# packed against 4 ms int8 / 11 ms int4 dequantize-then-GEMM; the crossover is near 32 rows for int8, 96 for int4).
+INT8_DEQUANTIZE_FROM_ROWS = 32
+INT4_DEQUANTIZE_FROM_ROWS = 96
+INT4_PACK_BLOCK_N = 64  # torch's CPU int4 layout: per 64 output rows, byte i holds rows i (low) and i + 32 (high)
+
+
+@dataclass(slots=True)
+class GroupQuantized:
+    """Unsigned 4-bit codes with a scale and a min per group of `K / scales.shape[1]` input columns."""
+    codes: torch.Tensor  # [N, K] uint8 in [0, 15]
+    scales: torch.Tensor  # [N, K / group] float32
+    mins: torch.Tensor  # [N, K / group] float32
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        groups = self.codes.view(n, -1, self.group_size).float()
+        return (groups * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)).view(n, k)
+
+    def map_rows(self, fn) -> "GroupQuantized":
+        """Apply a row permutation (e.g. the rotary row order of Q/K) to codes, scales and mins alike."""
+        return GroupQuantized(fn(self.codes), fn(self.scales), fn(self.mins))
+
+    @staticmethod
+    def cat(parts: list["GroupQuantized"]) -> "GroupQuantized":
+        return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                              torch.cat([p.mins for p in parts]))
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> int8 codes [N, K] and per-row scales [N] (w ≈ codes * scale)."""
+    scales = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+    codes = torch.round(w.float() / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> GroupQuantized:
+    """[N, K] float -> asymmetric 4-bit groups along K (K a multiple of group_size)."""
+    n, k = w.shape
+    groups = w.float().view(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-12)
+    codes = torch.round((groups - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    return GroupQuantized(codes.view(n, k), scales, lo)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("weight", codes.contiguous())
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> "Int8Linear":
+        return cls(*quantize_int8(linear.weight.detach()), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
+        if x2.shape[0] >= INT8_DEQUANTIZE_FROM_ROWS:
+            y = F.linear(x2, self.weight.to(COMPUTE_DTYPE) * self.scales.unsqueeze(1))
+        else:
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None, in_features: int | None = None):
+        """`weight` may have zero columns appended (up to a multiple of the group size) beyond `in_features`."""
+        super().__init__()
+        self.out_features, self.padded_in_features = weight.codes.shape
+        self.in_features = in_features or self.padded_in_features
+        self.group_size = weight.group_size
+        self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
+        zeros = weight.mins + 8 * weight.scales
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([weight.scales.t(), zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int) -> "Int4Linear":
+        w = linear.weight.detach()
+        padded = F.pad(w, (0, -w.shape[1] % group_size))  # inputs are zero-padded alike, so padding adds 0
+        return cls(quantize_int4(padded, group_size), linear.bias, w.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, padded K] bf16 weight unpacked from the packed layout (N a multiple of INT4_PACK_BLOCK_N)."""
+        n, k = self.out_features, self.padded_in_features
+        blocks = self.weight.view(n // INT4_PACK_BLOCK_N, k, INT4_PACK_BLOCK_N // 2)
+        codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k // self.group_size,
+                                                                                        self.group_size)
+        scales, zeros = self.scales_and_zeros.transpose(0, 1).unsqueeze(-1).unbind(dim=2)
+        return ((codes.to(COMPUTE_DTYPE) - 8) * scales + zeros).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
+        if self.padded_in_features != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
+        if x2.shape[0] >= INT4_DEQUANTIZE_FROM_ROWS and self.out_features % INT4_PACK_BLOCK_N == 0:
+            y = F.linear(x2, self.dequantize())
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_and_zeros)
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_linears(model: nn.Module, method: str, group_size: int,
+                     prequantized: dict[str, GroupQuantized] | None = None) -> None:
+    """Swap every projection of the decoder layers for its quantized form, and the LM head for int8.
+
+    `prequantized` maps a layer's name to 4-bit codes read straight from the checkpoint (GGUF Q4_0/Q4_1 with
+    blocks of `group_size`); those are packed as they are, the rest are quantized from their float weights.
+    The quantized layers hold whole weights and do no all-reduce: one tensor-parallel rank only (each pipeline
+    stage quantizes the layers it holds).
+    """
+    prequantized = prequantized or {}
+    for name, module in list(model.named_modules()):
+        if name == "lm_head":  # a (single-rank) ParallelLMHead: logits = hidden @ weight.t()
+            quantized = Int8Linear(*quantize_int8(module.weight.detach()), None)
+        elif not isinstance(module, nn.Linear):
+            continue
+        elif method == "int8":
+            quantized = Int8Linear.from_float(module)
+        elif name in prequantized:
+            quantized = Int4Linear(prequantized[name], module.bias)
+        else:
+            quantized = Int4Linear.from_float(module, group_size)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, quantized)
