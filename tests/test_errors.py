@@ -1,6 +1,5 @@
 """Bad input gets a clear ValueError where it enters and leaves the engine usable; a failed step ends only
 its own requests."""
-import shutil
 
 import pytest
 

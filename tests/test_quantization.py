@@ -8,7 +8,7 @@ from torch import nn
 
 from conftest import prefill_logits
 from inferno import LLM, SamplingParams
-from inferno.layers.quantization import GroupQuantized, Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from inferno.layers.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from inferno.loader.gguf import q4_codes
 
 # Prose, code and chat; together ~150 next-token positions for the agreement checks.

@@ -1,8 +1,6 @@
 """What the scheduler decided for one step, and what the model runner produced for it."""
 from dataclasses import dataclass, field
 
-import torch
-
 from inferno.request import Request
 
 
