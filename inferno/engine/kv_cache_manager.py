@@ -49,7 +49,8 @@ class KVCacheManager:
         hits = computed_blocks or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(hits))
-        copy = num_new_tokens > 0 and self._shared_partial_block(request) is not None
+        shared = self._shared_partial_block(request) if num_new_tokens > 0 else None
+        copy = shared is not None
         reclaimed = sum(1 for b in hits if self.block_pool.ref_cnt[b] == 0)  # cached blocks sitting in the free queue
         if needed + copy > self.block_pool.num_free_blocks - reclaimed:
             return False
@@ -61,7 +62,7 @@ class KVCacheManager:
             request.num_cached_blocks = len(hits)
             request.num_computed_tokens = num_computed
         if copy:
-            self._copy_on_write(request)
+            self._copy_on_write(request, shared)
         if needed:
             request.block_ids.extend(self.block_pool.allocate(needed))
         return True
@@ -107,8 +108,7 @@ class KVCacheManager:
             return index
         return None
 
-    def _copy_on_write(self, request: Request) -> None:
-        index = self._shared_partial_block(request)
+    def _copy_on_write(self, request: Request, index: int) -> None:
         source = request.block_ids[index]
         (copy,) = self.block_pool.allocate(1)
         self.block_pool.free([source])

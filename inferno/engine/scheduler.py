@@ -124,30 +124,25 @@ class Scheduler:
             req.num_computed_tokens += n - num_rejected
             if drafts and self.spec_decoding_stats is not None:
                 self.spec_decoding_stats.observe(len(drafts), len(drafts) - num_rejected)
-            if tokens is None or req.beam_search_id is not None:
-                self.kv_cache_manager.cache_blocks(req)
-                if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
-                    self._start_forks(req)
-                if tokens is not None or req.request_id in output.prompt_logprobs:
-                    updated.append(req)  # a beam: its search appends tokens and decides when to stop
-                continue
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
             stopped = False
-            for token in tokens:  # stop checks token by token; tokens after a stop are dropped
-                req.append_token(token)
-                if req.check_stop():
-                    stopped = True
-                    break
-            # the accepted drafts are in token_ids now (those after a stop are dropped): hash and cache full blocks
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            if tokens is not None and req.beam_search_id is None:  # a beam's search appends its tokens itself
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                req.metrics.last_token_time = now
+                for token in tokens:  # stop checks token by token; tokens after a stop are dropped
+                    req.append_token(token)
+                    if req.check_stop():
+                        stopped = True
+                        break
+                # tokens after a stop were dropped: only what is in token_ids counts as computed
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv_cache_manager.cache_blocks(req)
             if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._start_forks(req)
             if stopped:
                 self._free(req)
-            updated.append(req)
+            if tokens is not None or req.request_id in output.prompt_logprobs:
+                updated.append(req)
         return updated
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
