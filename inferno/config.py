@@ -1,5 +1,6 @@
 """Configuration: the model's shape (read from its files) and the engine's knobs (chosen by the user)."""
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -98,6 +99,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
+    # decode-only steps run a torch.compile'd forward (fused elementwise ops, one call per step instead of one per
+    # op); True keeps every step in eager PyTorch. Default: the INFERNO_ENFORCE_EAGER environment variable ("1").
+    enforce_eager: bool = field(default_factory=lambda: os.environ.get("INFERNO_ENFORCE_EAGER") == "1")
     num_threads: int | None = None  # per rank; default with more than one rank: the cores divided among the ranks
     seed: int = 0
     tensor_parallel_size: int = 1

@@ -1,4 +1,5 @@
 """Shared fixtures: the default model loaded once, HF transformers as the numeric oracle."""
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,10 @@ from inferno.loader.model_loader import default_model_path
 from inferno.request import Request
 from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput
+
+# Engines in the tests run eagerly (and so do servers they start, which inherit the environment): compiling each
+# configuration's decode step would cost tens of seconds apiece. tests/test_compile.py checks the compiled path.
+os.environ["INFERNO_ENFORCE_EAGER"] = "1"
 
 
 @pytest.fixture(scope="session")

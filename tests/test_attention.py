@@ -31,8 +31,10 @@ def dense_reference(attn: Attention, q, tables, seq_lens) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("path", ["kernel", "gather"])
-def test_decode_attention_matches_dense(path, dtype, tol):
-    attn, q, tables, seq_lens = random_batch(dtype, [1, 15, 16, 17, 100, 333])
+# one long sequence and a short one beside a long one: the kernel splits them over threads (flash-decoding)
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 333], [1000], [3, 700]])
+def test_decode_attention_matches_dense(path, dtype, tol, lens):
+    attn, q, tables, seq_lens = random_batch(dtype, lens)
     group = DecodeGroup(0, len(seq_lens), tables, seq_lens)
     if path == "kernel":
         if paged_attention() is None:

@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a rank waits inside a step for the others before the engine fails")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching, help="reuse the KV cache of prompts' common prefixes")
+    parser.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                        help="run every step in eager PyTorch (default: decode steps use a torch.compile'd forward, "
+                             "compiled on the first decode step and cached on disk)")
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
@@ -62,7 +65,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         distributed_timeout=args.distributed_timeout, enable_prefix_caching=args.enable_prefix_caching,
-                        speculative_config=args.speculative_config)
+                        enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

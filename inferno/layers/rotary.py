@@ -1,7 +1,8 @@
 """Rotary position embeddings with Llama-3 frequency scaling.
 
 Q/K head dimensions are kept in the interleaved layout (rotation pairs are adjacent: dims 2i, 2i+1), so the
-rotation is one complex multiply. Loaders convert checkpoints in Hugging Face's rotate-half layout with
+rotation of pair i by angle a_i is (x0 cos - x1 sin, x0 sin + x1 cos), written with real tensors so that
+`torch.compile` fuses it into one kernel. Loaders convert checkpoints in Hugging Face's rotate-half layout with
 `interleave_rotary_rows`; q·k is unchanged because queries and keys are permuted alike.
 """
 import math
@@ -39,7 +40,7 @@ class RotaryEmbedding(nn.Module):
     def _build_cache(self) -> None:
         t = torch.arange(self.max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, self.inv_freq)
-        self.cis_cache = torch.polar(torch.ones_like(freqs), freqs)  # cos + i sin
+        self.cos_sin_cache = torch.stack([freqs.cos(), freqs.sin()], dim=-1)  # [positions, head_dim // 2, 2]
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """GGUF llama-3 files carry per-frequency divisors (`rope_freqs.weight`) instead of a config."""
@@ -47,14 +48,15 @@ class RotaryEmbedding(nn.Module):
         self._build_cache()
 
     def rotations(self, positions: torch.Tensor) -> torch.Tensor:
-        """Per-token unit complex rotations, [T, 1, head_dim // 2] to broadcast over heads."""
-        return self.cis_cache[positions].unsqueeze(1)
+        """Per-token (cos, sin) of every pair's angle, [T, 1, head_dim // 2, 2] to broadcast over heads."""
+        return self.cos_sin_cache[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim] in the interleaved layout -> rotated copy."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rotations.unbind(-1)
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
 def interleave_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
