@@ -1,5 +1,6 @@
 """The torch.compile'd decode step computes what the eager one does, at batch 1 and with dynamic batch sizes."""
 import pytest
+from torch._dynamo.utils import counters
 
 from inferno import LLM, SamplingParams
 from inferno.kernels import paged_attention
@@ -21,6 +22,7 @@ def test_compiled_decode_matches_eager(engine_args, tol):
     compiled = LLM(kv_cache_memory=64 << 20, enable_prefix_caching=False, enforce_eager=False, **engine_args)
     assert eager.llm_engine.model_runner.compiled_decode is None
     assert compiled.llm_engine.model_runner.compiled_decode is not None
+    graphs = counters["stats"]["unique_graphs"]  # compiled at start-up: one request, and any batch
     for prompts in (PROMPTS[:1], PROMPTS):  # batch 1 (a specialised graph), then a dynamic batch size
         for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):
             for i, (token, lp) in enumerate(zip(ref.token_ids, ref.logprobs)):
@@ -29,3 +31,4 @@ def test_compiled_decode_matches_eager(engine_args, tol):
                     assert top[0] - top[1] < 2 * tol
                     break
                 assert abs(out.logprobs[i][token].logprob - lp[token].logprob) < tol
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for other batch sizes or table widths

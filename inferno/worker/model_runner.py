@@ -1,4 +1,8 @@
 """Runs one scheduled step: flat input tensors from the schedule, the forward pass(es), sampling."""
+import logging
+import time
+import types
+
 import torch
 
 from inferno.config import EngineConfig, ModelConfig
@@ -16,6 +20,8 @@ from inferno.request import Request
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.cpu_malloc import keep_freed_memory
 
+
+logger = logging.getLogger("inferno")
 
 DECODE_GROUP_SIZE = 32  # PyTorch path: decodes sorted by length are attended in groups padded to their longest
 
@@ -56,13 +62,15 @@ class ModelRunner:
         # Decode-only steps of a single-rank model with the native kernel go through torch.compile: the layers'
         # elementwise ops fuse and one call replaces some 40 Python-dispatched ops per layer. Shapes are dynamic
         # (batch size, block-table width); guards on the modules are skipped because the weights and caches stay
-        # the same tensors for the runner's lifetime. Fused bfloat16 ops round where the eager ones do, so both
-        # paths give the same numbers.
+        # the same tensors for the runner's lifetime, so each runner compiles its own copy of the function (graphs
+        # are cached per code object: a draft model's runner must not find the target's). Fused bfloat16 ops round
+        # where the eager ones do, so both paths give the same numbers.
         self.compiled_decode = None
         if not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1:
-            self.compiled_decode = torch.compile(self._decode_forward, dynamic=True, options={
+            self.compiled_decode = torch.compile(with_own_code(self._decode_forward), dynamic=True, options={
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                 "emulate_precision_casts": True})
+            self._compile_decode_step()
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -90,10 +98,10 @@ class ModelRunner:
         decodes = mb.decodes
         if self.compiled_decode is not None and not mb.prefills and hidden is None:
             group = self._decode_group(0, decodes)
-            return self.compiled_decode(torch.tensor(mb.input_ids, dtype=torch.long),
-                                        torch.tensor(mb.positions, dtype=torch.long),
-                                        torch.tensor(mb.slot_mapping, dtype=torch.long), group.block_tables,
-                                        group.seq_lens)
+            return self._run_compiled_decode(torch.tensor(mb.input_ids, dtype=torch.long),
+                                             torch.tensor(mb.positions, dtype=torch.long),
+                                             torch.tensor(mb.slot_mapping, dtype=torch.long), group.block_tables,
+                                             group.seq_lens)
         group_size = max(len(decodes), 1) if self.use_kernels else DECODE_GROUP_SIZE
         groups = [self._decode_group(i, decodes[i:i + group_size]) for i in range(0, len(decodes), group_size)]
         prefills, start = [], len(decodes)
@@ -103,6 +111,30 @@ class ModelRunner:
         meta = AttentionMetadata(torch.tensor(mb.slot_mapping, dtype=torch.long), groups, prefills)
         return self.model(torch.tensor(mb.input_ids, dtype=torch.long), torch.tensor(mb.positions, dtype=torch.long),
                           meta, hidden)
+
+    @torch.inference_mode()
+    def _compile_decode_step(self) -> None:
+        """Compile now rather than on the first requests: the graph for one sequence, then the dynamic-batch one
+        (three-block tables: equal sizes would be tied together). The dummy token writes K/V into slot 0 of
+        block 0, which no request holds yet."""
+        start = time.perf_counter()
+        for batch in (1, 2):
+            self._run_compiled_decode(*(torch.zeros(batch, dtype=torch.long) for _ in range(3)),
+                                      torch.zeros(batch, 3, dtype=torch.long), torch.ones(batch, dtype=torch.long))
+        logger.info("compiled the decode step in %.1f s (enforce_eager=True skips this)", time.perf_counter() - start)
+
+    def _run_compiled_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Two graphs cover every decode step: one request (sizes of 1 are always specialised) and any batch. The
+        block-table width and the batch size are marked dynamic explicitly, the same way on every call (the marks
+        are part of what the graphs are guarded on)."""
+        if block_tables.shape[1] == 1:  # width 1 would be specialised too: pad with an unread block
+            block_tables = torch.cat([block_tables, block_tables], dim=1)
+        torch._dynamo.maybe_mark_dynamic(block_tables, 1)
+        if input_ids.shape[0] > 1:
+            for t in (input_ids, positions, slot_mapping, block_tables, seq_lens):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self.compiled_decode(input_ids, positions, slot_mapping, block_tables, seq_lens)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -168,6 +200,13 @@ class ModelRunner:
             group.block_rows = self._rows(tables)
             group.mask = (torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
         return group
+
+
+def with_own_code(method: types.MethodType) -> types.MethodType:
+    """`method` bound to the same object, through a copy of its code object."""
+    f = method.__func__
+    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(copy, method.__self__)
 
 
 def sampling_metadata(rows: list[tuple[Request, list[int]]], vocab_size: int) -> SamplingMetadata:
