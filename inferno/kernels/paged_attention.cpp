@@ -143,7 +143,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-TORCH_LIBRARY(inferno, m) {
+TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor");
 }
