@@ -29,7 +29,7 @@ from throughput import Workload, greedy, machine_note, make_workload
 
 CONFIGS = {"int4": {"quantization": "int4"}, "int8": {"quantization": "int8"},
            "int8-channel": {"quantization": "int8", "quantization_group_size": -1}, "bfloat16": {"dtype": "bfloat16"},
-           "float32": {"dtype": "float32"}}
+           "float32": {"dtype": "float32"}, "int4-eager": {"quantization": "int4", "enforce_eager": True}}
 
 
 @dataclass(slots=True)
@@ -99,8 +99,7 @@ def report(args: argparse.Namespace, model_path: str, results: list[Result]) -> 
     base = next(r for r in results if r.engine == "llama.cpp")
     lines = ["## inferno vs llama.cpp (`benchmarks/vs_llamacpp.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"- Machine: {machine_note(args.num_threads)}; llama-cpp-python with n_threads={args.num_threads}, "
-             "extra weight buffer types off (AMX / repacking; see `load_llamacpp`)",
+             f"- Machine: {machine_note(args.num_threads)}; llama-cpp-python with n_threads={args.num_threads}",
              f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}`",
              f"- Model: `{Path(model_path).name}` for both engines",
              f"- Single request: {args.single_prompt_len}-token prompt, {args.single_output} new tokens, greedy, "
@@ -133,24 +132,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def load_llamacpp(model_path: str, num_threads: int):
-    """llama-cpp-python (optional: pip install 'inferno[bench]') without llama.cpp's extra weight buffer types:
-    its AMX matmul segfaults on this machine's VM for batches over one token, and the switch is all or nothing,
-    so its CPU weight repacking is off too."""
-    import llama_cpp.llama_cpp as low
+    """llama-cpp-python (optional: pip install 'inferno[bench]') with its defaults (CPU weight repacking on)."""
     from llama_cpp import Llama
-    default_params = low.llama_model_default_params
-
-    def without_extra_buffers():
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = without_extra_buffers
-    try:
-        return Llama(model_path=model_path, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=1024,
-                     n_batch=512, verbose=False)
-    finally:
-        low.llama_model_default_params = default_params
+    return Llama(model_path=model_path, n_threads=num_threads, n_threads_batch=num_threads, n_ctx=1024, n_batch=512,
+                 verbose=False)
 
 
 @torch.inference_mode()
