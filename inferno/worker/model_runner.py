@@ -65,7 +65,7 @@ class ModelRunner:
         # the same tensors for the runner's lifetime, so each runner compiles its own copy of the function (graphs
         # are cached per code object: a draft model's runner must not find the target's). Fused bfloat16 ops round
         # where the eager ones do, so both paths give the same numbers.
-        self.compiled_decode = None
+        self.compiled_decode, self.compiling = None, False
         if not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1:
             self.compiled_decode = torch.compile(with_own_code(self._decode_forward), dynamic=True, options={
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
@@ -117,24 +117,30 @@ class ModelRunner:
         """Compile now rather than on the first requests: the graph for one sequence, then the dynamic-batch one
         (three-block tables: equal sizes would be tied together). The dummy token writes K/V into slot 0 of
         block 0, which no request holds yet."""
-        start = time.perf_counter()
+        start, self.compiling = time.perf_counter(), True
         for batch in (1, 2):
             self._run_compiled_decode(*(torch.zeros(batch, dtype=torch.long) for _ in range(3)),
                                       torch.zeros(batch, 3, dtype=torch.long), torch.ones(batch, dtype=torch.long))
+        self.compiling = False
         logger.info("compiled the decode step in %.1f s (enforce_eager=True skips this)", time.perf_counter() - start)
 
     def _run_compiled_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Two graphs cover every decode step: one request (sizes of 1 are always specialised) and any batch. The
-        block-table width and the batch size are marked dynamic explicitly, the same way on every call (the marks
-        are part of what the graphs are guarded on)."""
+        """Two graphs, compiled at start-up: one request (sizes of 1 are always specialised) and small batches.
+        The batch graph is guarded on the row counts where quantized layers switch kernels (e.g. int4 dequantizes
+        from 96 rows); a batch beyond them runs eagerly instead of compiling more graphs mid-serving (where the
+        per-op overhead matters less anyway). The block-table width and the batch size are marked dynamic
+        explicitly, the same way on every call (the marks are part of what the graphs are guarded on)."""
         if block_tables.shape[1] == 1:  # width 1 would be specialised too: pad with an unread block
             block_tables = torch.cat([block_tables, block_tables], dim=1)
         torch._dynamo.maybe_mark_dynamic(block_tables, 1)
         if input_ids.shape[0] > 1:
             for t in (input_ids, positions, slot_mapping, block_tables, seq_lens):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self.compiled_decode(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        if self.compiling:
+            return self.compiled_decode(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return self.compiled_decode(input_ids, positions, slot_mapping, block_tables, seq_lens)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
