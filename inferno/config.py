@@ -32,7 +32,10 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
-DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = 0.3  # measured: see benchmarks/RESULTS.md, speculative decoding
+# defaults of the speculation policy, from benchmarks/spec_decode.py on the 2-core CPU (benchmarks/RESULTS.md): at 8
+# concurrent requests verifying drafts cost more than they saved even at 0.88 acceptance, at batch 1 they gain
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = 0.3
 
 
 @dataclass(slots=True)
@@ -42,7 +45,8 @@ class SpeculativeConfig:
     Speculation only pays while the drafts that get accepted outweigh the extra tokens the target verifies (and,
     for a draft model, the draft's own passes). Two switches keep it from costing throughput:
     - `disable_by_batch_size` (vLLM's key): no request speculates in a step that starts with at least this many
-      running requests (a large batch already keeps the hardware busy). None: never switched off by batch size.
+      running requests (a large batch already keeps the hardware busy). None: never switched off by batch size
+      (vLLM's default); inferno's default is DEFAULT_DISABLE_BY_BATCH_SIZE.
     - `draft_acceptance_threshold` (inferno's adaptive policy): each request estimates its own chance α that a
       draft is accepted (accepted vs rejected drafts of its recent verification steps, older ones decayed); it
       proposes draft position j only while α^j, the chance that position is reached and accepted, is at least
@@ -56,7 +60,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5  # ngram: shortest suffix to look up
     prompt_lookup_max: int = 5  # ngram: longest suffix to look up
     model: str | None = None  # draft_model: GGUF file or HF folder sharing the target's tokenizer
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     draft_acceptance_threshold: float = DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD
 
     @classmethod
@@ -88,7 +92,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config with method 'draft_model' needs 'model': a GGUF file or HF folder")
         if method == "ngram" and model is not None:
             raise ValueError("speculative_config 'model' is only used with method 'draft_model'")
-        disable = config.get("disable_by_batch_size")
+        disable = config.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if disable is not None and not _is_positive_int(disable):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, "
                              f"got {disable!r}")

@@ -139,6 +139,8 @@ def test_prometheus_counters_follow_the_engine_stats(ngram_llm, prompts):
     per_pos = [sample("num_accepted_tokens_per_pos", position=str(p)) for p in range(4)]
     assert per_pos == stats.num_accepted_tokens_per_pos
     assert sum(per_pos) == stats.num_accepted_tokens
+    assert sample("num_paused_proposals") == stats.num_paused_proposals
+    assert sample("num_disabled_steps") == stats.num_disabled_steps
 
 
 def test_speculation_with_prefix_cache_hits_and_n_samples(ngram_llm, prompts, reference):
