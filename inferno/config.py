@@ -32,8 +32,10 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
-# defaults of the speculation policy, from benchmarks/spec_decode.py on the 2-core CPU (benchmarks/RESULTS.md): at 8
-# concurrent requests verifying drafts cost more than they saved even at 0.88 acceptance, at batch 1 they gain
+# defaults of the speculation policy (benchmarks/spec_decode.py, benchmarks/RESULTS.md; 2-core CPU, int4 weights):
+# batch 1 verifies a few extra tokens almost for free, while at 8 requests a step's cost grows with its tokens
+# (int4 matmuls are compute-bound there), and with 0.6 acceptance the 0.5B draft lost a third of the throughput;
+# with the switch it kept ~0.95x. Requests whose drafts are mostly rejected (n-gram on chat) pause.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = 0.3
 

@@ -11,7 +11,9 @@ from inferno.worker.model_runner import kv_bytes_per_block
 from test_model_vs_hf import write_tiny_hf_model
 
 MAX_TOKENS = 16
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# speculation stays on in batches of any size here (the batch switch has its own test)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
