@@ -177,7 +177,7 @@ def report(rows: list[Measurements], args, repeats_done: int) -> str:
         f"with {args.target_quantization or 'no'} weight quantization, SmolLM2 in {args.dtype}; speculation "
         f"policy: draft_acceptance_threshold "
         f"{'default' if args.draft_acceptance_threshold is None else args.draft_acceptance_threshold}, "
-        f"disable_by_batch_size {args.disable_by_batch_size}",
+        f"disable_by_batch_size {args.disable_by_batch_size or 'default'}",
         f"- batch 1 tok/s: decode speed of one request, (output − 1) / (last − first token time); concurrent: "
         f"{args.concurrency} requests in one `generate` call, output tokens / wall time (prefill included); "
         f"medians of {repeats_done} repeats, engines measured in turns",
