@@ -1,15 +1,20 @@
 """Speculative decoding: tokens/s with and without drafts, at 1 and at --concurrency concurrent requests.
 
-Engines (each loaded once): the default model (SmolLM2-135M) plain and with n-gram prompt lookup; the target
---target (Qwen2.5-Coder-1.5B) plain, with n-gram, and with the draft model --draft (Qwen2.5-Coder-0.5B).
+Engines (all loaded first, then measured in turns so that slow drifts of the machine hit every configuration
+alike): the target --target (Qwen2.5-Coder-1.5B) plain, with n-gram and with the draft model --draft
+(Qwen2.5-Coder-0.5B); the default model (SmolLM2-135M) plain and with n-gram. Speculating engines are also measured
+with their speculation policy changed, to show what it saves: "no batch switch" (disable_by_batch_size None;
+concurrent only, batch 1 is the same) and "policy off" (also draft_acceptance_threshold 0: always
+num_speculative_tokens drafts).
 Tasks, both as chat prompts, greedy, at most --max-tokens new tokens (EOS ends a request early; greedy speculation
 gives the same tokens, so every engine produces the same output for a model):
-  grounded: a given Python file (inferno/engine/block_pool.py) to return with a docstring added to each method;
+  grounded: a given Python file (inferno/engine/block_pool.py) to return with an edit;
   chat: open questions with no text to copy.
-Batch 1: decode tok/s = (output tokens - 1) / (last token time - first token time) of one request, median of
---repeats. Concurrent: --concurrency requests (the task's prompts cycled) in one `LLM.generate` call; tok/s =
-output tokens / wall time of the call. Acceptance: accepted / proposed draft tokens over the engine's runs, and
-per draft position. Results print as a table and replace the `spec_decode` section of --output.
+Batch 1: decode tok/s = (output tokens - 1) / (last token time - first token time) of one request. Concurrent:
+--concurrency requests (the task's prompts cycled) in one `LLM.generate` call; tok/s = output tokens / wall time
+(prefill included). The prefix cache is emptied before every measurement. Each is repeated --repeats times, the
+engines taking turns; the table shows medians. Acceptance: accepted / proposed draft tokens over all runs, and per
+draft position. Results print as a table and replace the `spec_decode` section of --output.
 """
 import argparse
 import gc
@@ -18,7 +23,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,14 +41,30 @@ CHAT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
 
 
 @dataclass(slots=True)
-class Row:
+class Measurements:
+    """One engine on one task, over all repeats."""
     model: str
     method: str
     task: str
-    single_tok_s: float
-    concurrent_tok_s: float
-    acceptance: str
-    per_pos: str
+    policy: dict = field(default_factory=dict)  # SpeculationPolicy attributes set for this configuration
+    single_tok_s: list[float] = field(default_factory=list)
+    concurrent_tok_s: list[float] = field(default_factory=list)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    disabled_steps: int = 0
+    paused_proposals: int = 0
+
+    @property
+    def acceptance(self) -> str:
+        return f"{self.accepted_tokens / self.draft_tokens:.2f}" if self.draft_tokens else "–"
+
+    @property
+    def per_pos(self) -> str:
+        if not self.draft_per_pos:
+            return "–"
+        return " / ".join(f"{a / n:.2f}" if n else "–" for a, n in zip(self.accepted_per_pos, self.draft_per_pos))
 
 
 def task_messages(task: str) -> list[list[dict]]:
@@ -62,65 +83,112 @@ def decode_tok_s(output) -> float:
     return (n - 1) / (m.last_token_time - m.first_token_time) if n > 1 else float("nan")
 
 
-def run_engine(llm: LLM, task: str, args) -> tuple[float, float]:
+def measure(llm: LLM, m: Measurements, args) -> None:
+    """One batch-1 run and one concurrent run of `m`'s task, added to `m` (with the drafts they proposed)."""
+    engine = llm.llm_engine
+    for name, value in m.policy.items():
+        setattr(engine.scheduler.spec_policy, name, value)
+    stats = engine.spec_decoding_stats
+    before = None if stats is None else (
+        stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.num_draft_tokens_per_pos),
+        list(stats.num_accepted_tokens_per_pos), stats.num_disabled_steps, stats.num_paused_proposals)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    messages = task_messages(task)
-    singles = [decode_tok_s(llm.chat(messages[0], params, use_tqdm=False)[0]) for _ in range(args.repeats)]
+    messages = task_messages(m.task)
+    if m.policy != NO_BATCH_SWITCH:  # without the batch switch alone, batch 1 speculates as the engine's default
+        engine.reset_prefix_cache()
+        m.single_tok_s.append(decode_tok_s(llm.chat(messages[0], params, use_tqdm=False)[0]))
+    engine.reset_prefix_cache()
     batch = [messages[i % len(messages)] for i in range(args.concurrency)]
     start = time.perf_counter()
     outputs = llm.chat(batch, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return statistics.median(singles), sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+    m.concurrent_tok_s.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
+    if stats is None:
+        return
+    m.draft_tokens += stats.num_draft_tokens - before[0]
+    m.accepted_tokens += stats.num_accepted_tokens - before[1]
+    m.draft_per_pos = [s + n - n0 for s, n, n0 in zip(m.draft_per_pos or [0] * len(before[2]),
+                                                       stats.num_draft_tokens_per_pos, before[2])]
+    m.accepted_per_pos = [s + a - a0 for s, a, a0 in zip(m.accepted_per_pos or [0] * len(before[3]),
+                                                          stats.num_accepted_tokens_per_pos, before[3])]
+    m.disabled_steps += stats.num_disabled_steps - before[4]
+    m.paused_proposals += stats.num_paused_proposals - before[5]
 
 
-def bench(name: str, method: str, llm: LLM, args) -> list[Row]:
-    llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
-    rows = []
-    for task in args.tasks:
-        stats = llm.llm_engine.spec_decoding_stats
-        before = (stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.num_draft_tokens_per_pos),
-                  list(stats.num_accepted_tokens_per_pos)) if stats else None
-        single, concurrent = run_engine(llm, task, args)
-        acceptance = per_pos = "–"
-        if stats:
-            drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
-            acceptance = f"{accepted / drafted:.2f}" if drafted else "–"
-            per_pos = " / ".join(f"{(a - a0) / (n - n0):.2f}" if n > n0 else "–" for n, n0, a, a0 in zip(
-                stats.num_draft_tokens_per_pos, before[2], stats.num_accepted_tokens_per_pos, before[3]))
-        row = Row(name, method, task, single, concurrent, acceptance, per_pos)
-        print(row, flush=True)
-        rows.append(row)
-    return rows
+NO_BATCH_SWITCH = {"disable_by_batch_size": None}
+POLICY_OFF = {"disable_by_batch_size": None, "threshold": 0.0}
 
 
 def engines(args):
-    """(model name, method, engine config) in the order they run: the target first, then the default model."""
+    """(model name, engine config, [(method, policy variant)]): the target's, then the default model's. A variant
+    changes the loaded engine's SpeculationPolicy for its measurements (no second engine to load)."""
+    policy = {} if args.draft_acceptance_threshold is None else {
+        "draft_acceptance_threshold": args.draft_acceptance_threshold}
+    if args.disable_by_batch_size:
+        policy["disable_by_batch_size"] = args.disable_by_batch_size
     ngram = {"method": "ngram", "num_speculative_tokens": args.num_spec_tokens, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 2}
+             "prompt_lookup_min": 2, **policy}
     if args.target:
-        big = dict(model=args.target, dtype=args.target_dtype, kv_cache_memory=1 << 30, num_threads=args.num_threads)
+        big = dict(model=args.target, dtype=args.target_dtype, quantization=args.target_quantization,
+                   kv_cache_memory=1 << 30, num_threads=args.num_threads)
         name = Path(args.target).stem
-        yield name, "none", dict(big)
-        yield name, "ngram", dict(big, speculative_config=ngram)
+        yield name, dict(big), [("none", {})]
+        yield name, dict(big, speculative_config=ngram), [("ngram", {}), ("ngram, no batch switch", NO_BATCH_SWITCH)]
         if args.draft:
-            draft = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_draft_tokens}
-            yield name, f"draft {Path(args.draft).stem}", dict(big, speculative_config=draft)
+            draft = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_draft_tokens,
+                     **policy}
+            method = f"draft {Path(args.draft).stem}"
+            yield name, dict(big, speculative_config=draft), [(method, {}),
+                                                              (f"{method}, no batch switch", NO_BATCH_SWITCH)]
     if not args.skip_default_model:
         small = dict(dtype=args.dtype, kv_cache_memory=1 << 30, num_threads=args.num_threads)
-        yield "SmolLM2-135M", "none", dict(small)
-        yield "SmolLM2-135M", "ngram", dict(small, speculative_config=ngram)
+        yield "SmolLM2-135M", dict(small), [("none", {})]
+        yield "SmolLM2-135M", dict(small, speculative_config=ngram), [
+            ("ngram", {}), ("ngram, no batch switch", NO_BATCH_SWITCH), ("ngram, policy off", POLICY_OFF)]
 
 
-def table(rows: list[Row]) -> str:
+def table(rows: list[Measurements], concurrency: int) -> str:
     base = {(r.model, r.task): r for r in rows if r.method == "none"}
     lines = ["| model | speculation | task | batch 1 tok/s | speed-up | "
-             f"{ARGS.concurrency} concurrent tok/s | vs none | acceptance | per position |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+             f"{concurrency} concurrent tok/s | vs none | acceptance | per position | switched off |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        b = base.get((r.model, r.task))
-        lines.append(f"| {r.model} | {r.method} | {r.task} | {r.single_tok_s:.1f} | "
-                     f"{r.single_tok_s / b.single_tok_s:.2f}× | {r.concurrent_tok_s:.1f} | "
-                     f"{r.concurrent_tok_s / b.concurrent_tok_s:.2f}× | {r.acceptance} | {r.per_pos} |")
+        b = base[(r.model, r.task)]
+        concurrent = statistics.median(r.concurrent_tok_s)
+        single = f"{statistics.median(r.single_tok_s):.1f} | " \
+                 f"{statistics.median(r.single_tok_s) / statistics.median(b.single_tok_s):.2f}×" \
+            if r.single_tok_s else "(as above) | –"
+        off = "–" if r.method == "none" else f"{r.paused_proposals} paused, {r.disabled_steps} batch"
+        lines.append(f"| {r.model} | {r.method} | {r.task} | {single} | {concurrent:.1f} | "
+                     f"{concurrent / statistics.median(b.concurrent_tok_s):.2f}× | {r.acceptance} | {r.per_pos} | "
+                     f"{off} |")
+    return "\n".join(lines)
+
+
+def report(rows: list[Measurements], args, repeats_done: int) -> str:
+    lines = [
+        "## Speculative decoding (`benchmarks/spec_decode.py`)",
+        "",
+        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- Machine: {torch.get_num_threads()} torch threads on {platform.machine()}, torch {torch.__version__}; "
+        "run under `flock /tmp/inferno-cpu.lock` (no other benchmark or test suite at the same time)",
+        f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}`",
+        f"- Greedy, at most {args.max_tokens} new tokens, chat template; n-gram: {args.num_spec_tokens} drafts, "
+        f"lookup 2–4 tokens; draft model: {args.num_draft_tokens} drafts; target and draft in {args.target_dtype} "
+        f"with {args.target_quantization or 'no'} weight quantization, SmolLM2 in {args.dtype}; speculation "
+        f"policy: draft_acceptance_threshold "
+        f"{'default' if args.draft_acceptance_threshold is None else args.draft_acceptance_threshold}, "
+        f"disable_by_batch_size {args.disable_by_batch_size or 'default'}",
+        f"- batch 1 tok/s: decode speed of one request, (output − 1) / (last − first token time); concurrent: "
+        f"{args.concurrency} requests in one `generate` call, output tokens / wall time (prefill included); "
+        f"medians of {repeats_done} repeats, engines measured in turns",
+        "- acceptance: accepted / proposed draft tokens; per position: the same for the 1st, 2nd, … draft; "
+        "switched off: request-steps without drafts because of low acceptance (paused) and steps with speculation "
+        "off by `disable_by_batch_size` (batch)",
+        "",
+        table(rows, args.concurrency),
+    ]
+    if args.notes:
+        lines += ["", Path(args.notes).read_text().rstrip()]
     return "\n".join(lines)
 
 
@@ -130,46 +198,50 @@ def main() -> None:
     parser.add_argument("--draft", default=None, help="draft GGUF for --target (e.g. the 0.5B)")
     parser.add_argument("--dtype", default="float32", help="dtype of the default model")
     parser.add_argument("--target-dtype", default="bfloat16")
+    parser.add_argument("--target-quantization", default="int4", choices=["int4", "int8", "none"],
+                        help="weight quantization of target and draft ('none': dequantized to --target-dtype)")
     parser.add_argument("--tasks", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-spec-tokens", type=int, default=5, help="n-gram drafts per step")
     parser.add_argument("--num-draft-tokens", type=int, default=3, help="draft-model drafts per step")
+    parser.add_argument("--draft-acceptance-threshold", type=float, default=None, help="default: the config's")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--skip-default-model", action="store_true")
+    parser.add_argument("--notes", default=None, help="a Markdown file appended to the section")
     parser.add_argument("--output", default=str(Path(__file__).parent / "RESULTS.md"))
-    global ARGS
-    ARGS = args = parser.parse_args()
-    rows = []
-    for name, method, config in engines(args):
+    args = parser.parse_args()
+    if args.target_quantization == "none":
+        args.target_quantization = None
+    loaded = []
+    for name, config, variants in engines(args):
         start = time.perf_counter()
         llm = LLM(**config)
-        print(f"loaded {name} ({method}) in {time.perf_counter() - start:.1f}s", flush=True)
-        rows.extend(bench(name, method, llm, args))
-        del llm
+        llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
+        print(f"loaded {name} ({variants[0][0]}) in {time.perf_counter() - start:.1f}s", flush=True)
+        loaded.append((llm, [Measurements(name, method, task, policy) for method, policy in variants
+                             for task in args.tasks]))
+    rows = [m for _, ms in loaded for m in ms]
+    for repeat in range(args.repeats):
+        for llm, ms in loaded:
+            defaults = {}
+            if llm.llm_engine.scheduler.spec_policy is not None:
+                policy = llm.llm_engine.scheduler.spec_policy
+                defaults = {"disable_by_batch_size": policy.disable_by_batch_size, "threshold": policy.threshold}
+            for m in ms:
+                measure(llm, m, args)
+                for name, value in defaults.items():  # back to the engine's own policy
+                    setattr(llm.llm_engine.scheduler.spec_policy, name, value)
+                single = f"{m.single_tok_s[-1]:.1f}" if m.single_tok_s else "–"
+                print(f"repeat {repeat + 1}: {m.model} {m.method} {m.task}: batch 1 {single} tok/s, "
+                      f"concurrent {m.concurrent_tok_s[-1]:.1f} tok/s, acceptance {m.acceptance}", flush=True)
+        # partial results survive a stop
+        write_section(Path(args.output), "spec_decode", report(rows, args, repeat + 1))
         gc.collect()
-        write_section(Path(args.output), "spec_decode", report(rows, args))  # partial results survive a stop
-    print(report(rows, args))
+    print(report(rows, args, args.repeats))
 
-
-def report(rows: list[Row], args) -> str:
-    return "\n".join([
-        "## Speculative decoding (`benchmarks/spec_decode.py`)",
-        "",
-        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- Machine: {torch.get_num_threads()} torch threads on {platform.machine()}, torch {torch.__version__}; "
-        "shared with other jobs while measured, so compare rows within this run only",
-        f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}`",
-        f"- Greedy, at most {args.max_tokens} new tokens, chat template; n-gram: {args.num_spec_tokens} drafts, "
-        f"lookup 2–4 tokens; draft model: {args.num_draft_tokens} drafts; SmolLM2 in {args.dtype}, "
-        f"target and draft in {args.target_dtype}",
-        "- batch 1 tok/s: decode speed of one request, (output − 1) / (last − first token time), median of "
-        f"{args.repeats}; concurrent: {args.concurrency} requests in one `generate` call, output tokens / wall time",
-        "- acceptance: accepted / proposed draft tokens; per position: the same for the 1st, 2nd, … draft",
-        "",
-        table(rows),
-    ])
 
 if __name__ == "__main__":
     main()

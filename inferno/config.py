@@ -33,22 +33,45 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
+# defaults of the speculation policy (benchmarks/spec_decode.py, benchmarks/RESULTS.md; 2-core CPU, int4 weights):
+# batch 1 verifies a few extra tokens almost for free, while at 8 requests a step's cost grows with its tokens
+# (int4 matmuls are compute-bound there), and with 0.6 acceptance the 0.5B draft lost a third of the throughput;
+# with the switch it kept ~0.95x. Requests whose drafts are mostly rejected (n-gram on chat) pause.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = 0.3
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config`: who proposes draft tokens and how many per step."""
+    """vLLM's `speculative_config`: who proposes draft tokens, how many per step, and when not to speculate.
+
+    Speculation only pays while the drafts that get accepted outweigh the extra tokens the target verifies (and,
+    for a draft model, the draft's own passes). Two switches keep it from costing throughput:
+    - `disable_by_batch_size` (vLLM's key): no request speculates in a step that starts with at least this many
+      running requests (a large batch already keeps the hardware busy). None: never switched off by batch size
+      (vLLM's default); inferno's default is DEFAULT_DISABLE_BY_BATCH_SIZE.
+    - `draft_acceptance_threshold` (inferno's adaptive policy): each request estimates its own chance α that a
+      draft is accepted (accepted vs rejected drafts of its recent verification steps, older ones decayed); it
+      proposes draft position j only while α^j, the chance that position is reached and accepted, is at least
+      the threshold. A request below it at position 1 stops proposing and probes with one draft every
+      `PROBE_INTERVAL` steps (inferno/spec_decode/policy.py). 0 turns the policy off (always k drafts).
+    Neither changes what is generated: the output is the target's distribution (greedy: the same tokens) whatever
+    the number of drafts, though a seeded sampled request's tokens depend on it.
+    """
     method: str  # "ngram" (prompt lookup) | "draft_model"
     num_speculative_tokens: int
     prompt_lookup_min: int = 5  # ngram: shortest suffix to look up
     prompt_lookup_max: int = 5  # ngram: longest suffix to look up
     model: str | None = None  # draft_model: GGUF file or HF folder sharing the target's tokenizer
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    draft_acceptance_threshold: float = DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                 "disable_by_batch_size", "draft_acceptance_threshold"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known keys are {sorted(known)}")
@@ -56,14 +79,14 @@ class SpeculativeConfig:
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method must be one of {list(SPEC_METHODS)}, got {method!r}")
         k = config.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if not _is_positive_int(k):
             raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
         # vLLM's defaults: both 5, or the one given for both
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
         low, high = low if low is not None else (high or 5), high if high is not None else (low or 5)
         if method == "ngram":
             for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                if not _is_positive_int(value):
                     raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
             if low > high:
                 raise ValueError(f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
@@ -72,12 +95,24 @@ class SpeculativeConfig:
             raise ValueError("speculative_config with method 'draft_model' needs 'model': a GGUF file or HF folder")
         if method == "ngram" and model is not None:
             raise ValueError("speculative_config 'model' is only used with method 'draft_model'")
-        return cls(method, k, low, high, model)
+        disable = config.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        if disable is not None and not _is_positive_int(disable):
+            raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, "
+                             f"got {disable!r}")
+        threshold = config.get("draft_acceptance_threshold", DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+            raise ValueError(f"speculative_config draft_acceptance_threshold must be a number in [0, 1) "
+                             f"(0: always propose num_speculative_tokens), got {threshold!r}")
+        return cls(method, k, low, high, model, disable, float(threshold))
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots a running request needs beyond its scheduled tokens: where the draft model writes its drafts."""
         return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -113,6 +113,11 @@ def test_speculative_config_follows_vllm():
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 5, 4, 4)
     draft = SpeculativeConfig.from_dict({"model": "draft.gguf", "num_speculative_tokens": 3})
     assert (draft.method, draft.num_lookahead_tokens) == ("draft_model", 3)
+    # the speculation policy: inferno's defaults, vLLM's None for "never switch off by batch size"
+    assert (spec.disable_by_batch_size, spec.draft_acceptance_threshold) == (4, 0.3)
+    policy = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                          "disable_by_batch_size": None, "draft_acceptance_threshold": 0})
+    assert (policy.disable_by_batch_size, policy.draft_acceptance_threshold) == (None, 0.0)
 
 
 @pytest.mark.parametrize("config, message", [
@@ -125,6 +130,11 @@ def test_speculative_config_follows_vllm():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
     ("ngram", "must be a dict"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_acceptance_threshold": 1.0},
+     "draft_acceptance_threshold must be a number in \\[0, 1\\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_acceptance_threshold": "high"},
+     "draft_acceptance_threshold must be"),
 ])
 def test_bad_speculative_config_is_a_value_error(config, message):
     with pytest.raises(ValueError, match=message):

@@ -3,10 +3,17 @@ import pytest
 
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
+from inferno.config import SpeculativeConfig
+from inferno.request import Request, RequestStatus
+from inferno.spec_decode.metrics import SpecDecodingStats
+from inferno.spec_decode.policy import PROBE_INTERVAL, SpeculationPolicy
 from inferno.worker.model_runner import kv_bytes_per_block
+from test_model_vs_hf import write_tiny_hf_model
 
 MAX_TOKENS = 16
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# speculation stays on in batches of any size here (the batch switch has its own test)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +113,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(request, spec_llm, pro
 
 def test_preemption_with_draft_model_matches_plain_decoding(llm, model_path, prompts, reference):
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.torch_dtype)
-    tiny = LLM(model_path, kv_cache_memory=8 * block_bytes,
+    tiny = LLM(model_path, kv_cache_memory=16 * block_bytes,  # 8 blocks: the draft's cache takes half
                speculative_config={"method": "draft_model", "model": model_path, "num_speculative_tokens": 3})
     assert token_ids(tiny, prompts, greedy()) == reference
     assert tiny.llm_engine.scheduler.num_preemptions > 0
@@ -134,6 +141,8 @@ def test_prometheus_counters_follow_the_engine_stats(ngram_llm, prompts):
     per_pos = [sample("num_accepted_tokens_per_pos", position=str(p)) for p in range(4)]
     assert per_pos == stats.num_accepted_tokens_per_pos
     assert sum(per_pos) == stats.num_accepted_tokens
+    assert sample("num_paused_proposals") == stats.num_paused_proposals
+    assert sample("num_disabled_steps") == stats.num_disabled_steps
 
 
 def test_speculation_with_prefix_cache_hits_and_n_samples(ngram_llm, prompts, reference):
@@ -147,3 +156,136 @@ def test_speculation_with_prefix_cache_hits_and_n_samples(ngram_llm, prompts, re
     assert engine.spec_decoding_stats.num_accepted_tokens > accepted
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[r, r] for r in reference]
     assert_all_blocks_free(engine)
+
+
+# when to speculate: disable_by_batch_size and the per-request acceptance policy
+
+def record_schedules(engine) -> list:
+    """Every SchedulerOutput the engine runs from now on."""
+    seen, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        seen.append(schedule())
+        return seen[-1]
+    engine.scheduler.schedule = recording
+    return seen
+
+
+def test_disable_by_batch_size_switches_speculation_off_in_large_batches(model_path, prompts, reference):
+    spec_llm = LLM(model_path, kv_cache_memory=64 << 20,
+                   speculative_config={**NGRAM, "disable_by_batch_size": 2, "draft_acceptance_threshold": 0})
+    schedules = record_schedules(spec_llm.llm_engine)
+    # the requests end one after the other: the last one runs alone for its final 8 tokens
+    lengths = [4, 8, MAX_TOKENS]
+    outputs = token_ids(spec_llm, prompts, [greedy(max_tokens=n) for n in lengths])
+    assert outputs == [ref[:n] for ref, n in zip(reference, lengths)]
+    assert all(not s.spec_token_ids for s in schedules if len(s.requests) >= 2)
+    assert any(s.spec_token_ids for s in schedules if len(s.requests) == 1)
+    assert spec_llm.llm_engine.spec_decoding_stats.num_disabled_steps > 0
+
+
+def running_request(request_id: str, max_tokens: int = 100) -> Request:
+    req = Request(request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens), set(), 1000)
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, req.num_tokens - 1
+    return req
+
+
+def test_policy_pauses_low_acceptance_requests_probes_them_and_resumes():
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                          "draft_acceptance_threshold": 0.3})
+    stats = SpecDecodingStats(4)
+    policy = SpeculationPolicy(config, stats)
+    good, bad = running_request("good"), running_request("bad")
+    assert policy.plan([good, bad]) == [(good, 4), (bad, 4)]  # a new request speculates fully
+    bad_counts = []
+    while not bad_counts or bad_counts[-1] > 0:  # "bad" never gets a draft accepted, "good" always all of them
+        assert len(bad_counts) < 10, "the policy never paused a request whose drafts are all rejected"
+        policy.observe("good", 4, 4)
+        policy.observe("bad", 4, 0)
+        planned = dict((r.request_id, k) for r, k in policy.plan([good, bad]))
+        assert planned["good"] == 4
+        bad_counts.append(planned.get("bad", 0))
+    assert bad_counts == sorted(bad_counts, reverse=True) and len(bad_counts) > 1
+    # paused from there: no drafts for PROBE_INTERVAL - 1 steps in all, then a probe with one draft
+    paused = [dict((r.request_id, k) for r, k in policy.plan([good, bad])).get("bad", 0)
+              for _ in range(PROBE_INTERVAL - 1)]
+    assert paused == [0] * (PROBE_INTERVAL - 2) + [1]
+    assert stats.num_paused_proposals == PROBE_INTERVAL - 1
+    for _ in range(4):  # the probes are accepted again: back to full speculation
+        policy.observe("bad", 1, 1)
+    assert dict((r.request_id, k) for r, k in policy.plan([good, bad]))["bad"] == 4
+    # never past max_tokens, and finished requests are forgotten
+    short = running_request("short", max_tokens=2)
+    assert policy.plan([short]) == [(short, 1)]
+    assert set(policy.acceptance) <= {"short"}
+
+
+def test_threshold_zero_always_proposes_full_drafts():
+    policy = SpeculationPolicy(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                                            "draft_acceptance_threshold": 0}), SpecDecodingStats(3))
+    req = running_request("r")
+    for _ in range(5):
+        policy.observe("r", 3, 0)
+    assert policy.plan([req]) == [(req, 3)]
+
+
+@pytest.fixture(scope="module")
+def random_draft(llm, tmp_path_factory) -> str:
+    """A tiny random model with the default model's tokenizer: its drafts are almost never accepted."""
+    folder = tmp_path_factory.mktemp("random_draft")
+    write_tiny_hf_model(folder, llm.get_tokenizer(), "llama")
+    return str(folder)
+
+
+def count_calls(obj, name: str) -> list[int]:
+    calls, method = [0], getattr(obj, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return method(*args, **kwargs)
+    setattr(obj, name, counting)
+    return calls
+
+
+def test_low_acceptance_draft_stops_proposing_and_output_is_unchanged(model_path, random_draft, prompts, reference):
+    """With a draft that is always wrong, the policy stops running it after a few steps (fewer draft passes and
+    verified drafts than with the policy off); greedy output stays plain decoding's."""
+    results = {}
+    for threshold in (0.0, 0.3):
+        spec_llm = LLM(model_path, kv_cache_memory=64 << 20,
+                       speculative_config={"method": "draft_model", "model": random_draft, "num_speculative_tokens": 3,
+                                           "draft_acceptance_threshold": threshold})
+        engine = spec_llm.llm_engine
+        draft_passes = count_calls(engine.proposer.runner, "forward")
+        assert token_ids(spec_llm, prompts, greedy()) == reference
+        results[threshold] = (draft_passes[0], engine.spec_decoding_stats)
+    (passes_off, off), (passes_on, on) = results[0.0], results[0.3]
+    assert off.acceptance_rate < 0.2 and off.num_paused_proposals == 0
+    assert on.num_paused_proposals > 0
+    assert on.num_draft_tokens < off.num_draft_tokens / 2
+    assert passes_on < passes_off / 2
+
+
+def cache_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for attn in model.attention_layers for t in (attn.k_cache, attn.v_cache))
+
+
+@pytest.mark.parametrize("draft", ["itself", "random"])
+def test_draft_model_kv_cache_shares_kv_cache_memory(model_path, random_draft, draft):
+    """The draft's KV cache is part of kv_cache_memory: both caches together fit in it, with one block id space
+    split by the two models' KV bytes per block (the default model as its own draft: half the plain blocks)."""
+    budget = 8 << 20
+    plain = LLM(model_path, kv_cache_memory=budget).llm_engine
+    target_block = cache_bytes(plain.model_runner.model) // plain.num_blocks
+    assert plain.num_blocks == budget // target_block
+    spec_llm = LLM(model_path, kv_cache_memory=budget, speculative_config={
+        "method": "draft_model", "model": model_path if draft == "itself" else random_draft,
+        "num_speculative_tokens": 3})
+    engine = spec_llm.llm_engine
+    target_bytes, draft_bytes = cache_bytes(engine.model_runner.model), cache_bytes(engine.proposer.runner.model)
+    assert engine.proposer.runner.num_blocks == engine.num_blocks
+    assert target_bytes == engine.num_blocks * target_block
+    assert target_bytes + draft_bytes <= budget
+    assert engine.num_blocks == budget // (target_block + draft_bytes // engine.num_blocks)
+    if draft == "itself":
+        assert draft_bytes == target_bytes and engine.num_blocks == budget // (2 * target_block) < plain.num_blocks

@@ -198,7 +198,7 @@ class LLMEngine:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         outputs += self.output_processor.make_outputs(updated)
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
+            self.proposer.propose(self.scheduler.spec_policy.plan(self.scheduler.running))
         return outputs
 
     def _advance_beam_searches(self, beams: list[Request], output: ModelRunnerOutput) -> list[RequestOutput]:

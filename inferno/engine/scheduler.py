@@ -13,6 +13,7 @@ from inferno.engine.kv_cache_manager import KVCacheManager
 from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.request import Request, RequestStatus
 from inferno.spec_decode.metrics import SpecDecodingStats
+from inferno.spec_decode.policy import SpeculationPolicy
 
 
 class Scheduler:
@@ -29,6 +30,7 @@ class Scheduler:
         spec = config.speculative_config
         self.num_lookahead_tokens = spec.num_lookahead_tokens if spec else 0
         self.spec_decoding_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec else None
+        self.spec_policy = SpeculationPolicy(spec, self.spec_decoding_stats) if spec else None
 
     def add_request(self, request: Request, fork_of: Request | None = None) -> None:
         """Queue a request; with `fork_of`, it starts once that request has computed the (same) prompt."""
@@ -124,6 +126,7 @@ class Scheduler:
             req.num_computed_tokens += n - num_rejected
             if drafts and self.spec_decoding_stats is not None:
                 self.spec_decoding_stats.observe(len(drafts), len(drafts) - num_rejected)
+                self.spec_policy.observe(req.request_id, len(drafts), len(drafts) - num_rejected)
             stopped = False
             if tokens is not None and req.beam_search_id is None:  # a beam's search appends its tokens itself
                 if req.metrics.first_token_time is None:

@@ -42,7 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
-                             '"num_speculative_tokens": 4}\'')
+                             '"num_speculative_tokens": 4}\'; policy keys "disable_by_batch_size" (default 4, '
+                             'null: never) and "draft_acceptance_threshold" (default 0.3, 0: off)')
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

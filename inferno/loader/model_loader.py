@@ -40,6 +40,14 @@ class LoadedModel:
     path: str
 
 
+def read_model_config(path: str) -> ModelConfig:
+    """A model's shape, read from its files without loading its weights."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"model path {path!r} does not exist (expected a .gguf file or a Hugging Face folder)")
+    return gguf_loader.read_config(gguf_loader.open_gguf(path)) if p.is_file() else hf_loader.read_config(p)
+
+
 def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SINGLE,
                quantization: str | None = None, group_size: int = 32) -> LoadedModel:
     """The model, or with several ranks this rank's shard of it (see `LlamaForCausalLM`); `quantization` "int8" /

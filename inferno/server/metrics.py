@@ -38,6 +38,10 @@ class SpecDecodeMetrics:
         self.num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.num_disabled_steps = counter("spec_decode_num_disabled_steps",
+                                          "Steps without speculation because disable_by_batch_size was reached.")
+        self.num_paused_proposals = counter("spec_decode_num_paused_proposals",
+                                            "Request-steps without drafts because the request's acceptance was low.")
         self.per_pos = Counter("inferno:spec_decode_num_accepted_tokens_per_pos",
                                "Accepted tokens per draft position.", ["model_name", "position"], registry=registry)
         self.model_name = model_name
@@ -47,12 +51,15 @@ class SpecDecodeMetrics:
         self.num_drafts.inc(stats.num_drafts - self.seen.num_drafts)
         self.num_draft_tokens.inc(stats.num_draft_tokens - self.seen.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens - self.seen.num_accepted_tokens)
+        self.num_disabled_steps.inc(stats.num_disabled_steps - self.seen.num_disabled_steps)
+        self.num_paused_proposals.inc(stats.num_paused_proposals - self.seen.num_paused_proposals)
         seen_per_pos = self.seen.num_accepted_tokens_per_pos or [0] * stats.num_spec_tokens
         for pos, (now, before) in enumerate(zip(stats.num_accepted_tokens_per_pos, seen_per_pos)):
             self.per_pos.labels(self.model_name, str(pos)).inc(now - before)
         self.seen = SpecDecodingStats(stats.num_spec_tokens, stats.num_drafts, stats.num_draft_tokens,
                                       stats.num_accepted_tokens, list(stats.num_draft_tokens_per_pos),
-                                      list(stats.num_accepted_tokens_per_pos))
+                                      list(stats.num_accepted_tokens_per_pos), stats.num_disabled_steps,
+                                      stats.num_paused_proposals)
 
 
 class PrometheusStatLogger:

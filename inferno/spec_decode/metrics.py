@@ -10,6 +10,8 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # [num_spec_tokens]
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [num_spec_tokens]
+    num_disabled_steps: int = 0  # steps where nobody speculated: at least disable_by_batch_size requests ran
+    num_paused_proposals: int = 0  # request-steps without drafts because the request's acceptance was too low
 
     def __post_init__(self) -> None:
         self.num_draft_tokens_per_pos = self.num_draft_tokens_per_pos or [0] * self.num_spec_tokens

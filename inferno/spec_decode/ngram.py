@@ -4,7 +4,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from inferno.config import SpeculativeConfig
 from inferno.request import Request
-from inferno.spec_decode import num_drafts_wanted
 
 
 def ngram_lookup(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -22,13 +21,10 @@ def ngram_lookup(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
-        self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose(self, requests: list[Request]) -> None:
-        """Sets `spec_token_ids` of the requests that speculate next step."""
-        for req in requests:
-            k = num_drafts_wanted(req, self.k)
-            if k:
-                req.spec_token_ids = ngram_lookup(np.asarray(req.token_ids), self.min_n, self.max_n, k)
+    def propose(self, wanted: list[tuple[Request, int]]) -> None:
+        """Sets `spec_token_ids` (up to k) of each (request, k) that speculates next step."""
+        for req, k in wanted:
+            req.spec_token_ids = ngram_lookup(np.asarray(req.token_ids), self.min_n, self.max_n, k)

@@ -3,15 +3,22 @@ import torch.distributed as dist
 
 from inferno.config import EngineConfig, ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
-from inferno.loader.model_loader import load_model
+from inferno.loader.model_loader import load_model, read_model_config
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     """Blocks in the KV cache pool, counted on the whole model's layers and heads: every rank holds the same block
-    ids, each for its own layers (pipeline) or heads (tensor parallel)."""
-    num_blocks = config.kv_cache_memory // kv_bytes_per_block(model_config, config.block_size, config.torch_dtype,
-                                                              config.kv_cache_dtype)
+    ids, each for its own layers (pipeline) or heads (tensor parallel). A speculative draft model's cache is
+    addressed by the same block ids, so each block id costs the target's and the draft's bytes out of
+    kv_cache_memory."""
+    models = [model_config]
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        models.append(read_model_config(spec.model))
+    block_bytes = sum(kv_bytes_per_block(m, config.block_size, config.torch_dtype, config.kv_cache_dtype)
+                      for m in models)
+    num_blocks = config.kv_cache_memory // block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is too small for one KV block")
     return num_blocks
