@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger("inferno")
 
 
@@ -23,3 +25,27 @@ def paged_attention() -> ModuleType | None:
         logger.warning("native paged attention kernel unavailable (%s: %s); using the PyTorch path",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+@functools.cache
+def int8_gemv():
+    """The operator `torch.ops.inferno.int8_group_matmul` (float32 rows times group-wise int8 weights, see
+    int8_gemv.cpp), or None when it cannot be built."""
+    if os.environ.get("INFERNO_DISABLE_CPP_KERNELS") == "1":
+        return None
+    from torch.utils import cpp_extension
+    try:
+        cpp_extension.load(
+            name="inferno_int8_gemv", sources=[str(Path(__file__).with_name("int8_gemv.cpp"))],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler / ninja / headers: the layers dequantize and use F.linear
+        logger.warning("native int8 matmul kernel unavailable (%s: %s); using dequantize + F.linear",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+    @torch.library.register_fake("inferno::int8_group_matmul")
+    def _(x, codes, scales, mins, group_size):  # shapes for torch.compile's tracing
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    return torch.ops.inferno.int8_group_matmul
