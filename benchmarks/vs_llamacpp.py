@@ -2,8 +2,8 @@
 
 Both engines run greedy on the workload of benchmarks/throughput.py (random token ids, ignore EOS), in one run:
 - single request: one --single-prompt-len (512) token prompt, --single-output (128) new tokens, median of
-  --repeats. Prompt processing tok/s = prompt tokens / time to the first token; decode tok/s = (output - 1) /
-  (finish - first token). llama.cpp: `Llama.generate(prompt)` up to its first token is the prompt time, then one step per new
+  --repeats; inferno runs without prefix caching (the repeats share their prompt). Prompt processing tok/s =
+  prompt tokens / time to the first token; decode tok/s = (output - 1) / (finish - first token). llama.cpp: `Llama.generate(prompt)` up to its first token is the prompt time, then one step per new
   token (greedy sampling inside llama.cpp, via `Llama.generate`).
 - offline throughput: every request of the throughput workload. inferno: one `LLM.generate` call (continuous
   batching). llama.cpp serves them one after another (it has no batching across requests in llama-cpp-python);
@@ -27,7 +27,8 @@ from inferno import LLM
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
 from throughput import Workload, greedy, machine_note, make_workload
 
-CONFIGS = {"int4": {"quantization": "int4"}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"},
+CONFIGS = {"int4": {"quantization": "int4"}, "int8": {"quantization": "int8"},
+           "int8-channel": {"quantization": "int8", "quantization_group_size": -1}, "bfloat16": {"dtype": "bfloat16"},
            "float32": {"dtype": "float32"}}
 
 
@@ -158,7 +159,9 @@ def main() -> None:
     torch.set_num_threads(args.num_threads)
     results, workload, model_path = [], None, ""
     for name in args.configs:
-        llm = LLM(model=args.model, num_threads=args.num_threads, kv_cache_memory=1 << 30, **CONFIGS[name])
+        # no prefix caching: the repeats send the same prompt, which must be processed every time
+        llm = LLM(model=args.model, num_threads=args.num_threads, kv_cache_memory=1 << 30, enable_prefix_caching=False,
+                  **CONFIGS[name])
         model_path = llm.llm_engine.model_path
         workload = workload or make_workload(llm.get_tokenizer(), args)
         prompt_tps, decode_tps = inferno_single(llm, workload.single_prompt, args.single_output, args.repeats)
