@@ -2,8 +2,8 @@
 
 - int8, group-wise (the default): unsigned 8-bit codes with a float32 scale and min per group of 32/64/128 input
   columns (w = q * scale + min, asymmetric), float32 activations, the native `inferno::int8_group_matmul` kernel
-  (kernels/int8_gemv.cpp) for the few rows of a decode step. Its 256-level grid holds GGUF Q4_0/Q4_1 blocks (16
-  levels per 32 weights) exactly, so the default model keeps its own weights.
+  (kernels/int8_gemv.cpp) for the few rows of a decode step. GGUF Q4_0/Q4_1 blocks of 32 load as they are (their
+  4-bit codes are 8-bit codes too), so the default model keeps its own weights.
 - int8, per output channel (group size PER_CHANNEL): absmax scales, `torch._weight_int8pack_mm`.
 - int4: group-wise unsigned 4-bit with a scale and a min per group (w = q * scale + min, the GGUF Q4_0/Q4_1
   block form), `torch._weight_int4pack_mm_for_cpu`. Its scale-and-zero table stores the zero at the middle
