@@ -5,6 +5,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import prefill_logits
@@ -66,7 +67,7 @@ def test_int8_group_kernel_matches_dequantize_then_matmul(m, n, k, group_size):
     weight = random_group_weight(n, k, group_size)
     x = torch.randn(m, k)
     ref = x.double() @ weight.dequantize()[:, :k].double().t()
-    y = int8_gemv()(x, weight.codes[:, :k].contiguous(), weight.scales, weight.mins, group_size)
+    y = int8_gemv().int8_group_matmul(x, weight.codes[:, :k].contiguous(), weight.scales, weight.mins, group_size)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
@@ -75,9 +76,9 @@ def test_int8_group_kernel_matches_dequantize_then_matmul(m, n, k, group_size):
 def test_int8_group_kernel_rejects_bad_inputs():
     weight = random_group_weight(16, 64, 32)
     codes, scales, mins = weight.codes, weight.scales, weight.mins
-    kernel = int8_gemv()
+    kernel = int8_gemv().int8_group_matmul
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match="must be float32"):
+    with pytest.raises(RuntimeError, match="x must be 2-D, float32, contiguous"):
         kernel(x.bfloat16(), codes, scales, mins, 32)
     with pytest.raises(RuntimeError, match="codes uint8"):
         kernel(x, codes.to(torch.int8), scales, mins, 32)
@@ -87,12 +88,16 @@ def test_int8_group_kernel_rejects_bad_inputs():
         kernel(x, codes, scales[:, :1].contiguous(), mins, 32)
     with pytest.raises(RuntimeError, match="scales and mins must be"):
         kernel(x, codes, scales, mins, 64)  # 64 columns in groups of 64 need one scale per row, not two
-    with pytest.raises(RuntimeError, match="must be contiguous"):
+    with pytest.raises(RuntimeError, match="x must be 2-D, float32, contiguous"):
         kernel(torch.randn(64, 2).t(), codes, scales, mins, 32)
+    with pytest.raises(RuntimeError, match="codes, scales and mins must be contiguous"):
+        kernel(x, codes, scales.t().contiguous().t(), mins, 32)
     with pytest.raises(RuntimeError, match="group_size must be positive"):
         kernel(x, codes, scales, mins, 0)
-    with pytest.raises(RuntimeError, match="must be 2-D"):
+    with pytest.raises(RuntimeError, match="x must be 2-D"):
         kernel(x[0], codes, scales, mins, 32)
+    with pytest.raises(RuntimeError, match="scales and mins must be float32"):
+        int8_gemv().int8_group_dequantize(codes, scales.double(), mins, 32)
     assert kernel(torch.randn(0, 64), codes, scales, mins, 32).shape == (0, 16)
 
 
@@ -103,11 +108,12 @@ def test_int8_group_linear_matches_dequantized_reference(group_size, rows, nativ
     lin = linear(128, 96, bias=True)  # 96 columns: a partial last group with 64 / 128
     layer = Int8GroupLinear.from_float(lin, group_size)
     if not native:
-        layer.matmul = None
-    elif layer.matmul is None:
+        layer.kernels = None
+    elif layer.kernels is None:
         pytest.skip("no C++ compiler for the native kernel")
     x = torch.randn(2, rows, 96)  # leading dims are flattened and restored
-    ref = x @ layer.dequantize().t() + lin.bias
+    codes = F.pad(layer.weight, (0, -96 % group_size)).view(128, -1, group_size).float()
+    ref = x @ (codes * layer.scales.unsqueeze(-1) + layer.mins.unsqueeze(-1)).view(128, -1)[:, :96].t() + lin.bias
     y = layer(x)
     assert y.shape == (2, rows, 128) and y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

@@ -29,8 +29,8 @@ def paged_attention() -> ModuleType | None:
 
 @functools.cache
 def int8_gemv():
-    """The operator `torch.ops.inferno.int8_group_matmul` (float32 rows times group-wise int8 weights, see
-    int8_gemv.cpp), or None when it cannot be built."""
+    """The `torch.ops.inferno` namespace holding `int8_group_matmul` (float32 rows times group-wise int8 weights)
+    and `int8_group_dequantize` (see int8_gemv.cpp), or None when they cannot be built."""
     if os.environ.get("INFERNO_DISABLE_CPP_KERNELS") == "1":
         return None
     from torch.utils import cpp_extension
@@ -48,4 +48,8 @@ def int8_gemv():
     def _(x, codes, scales, mins, group_size):  # shapes for torch.compile's tracing
         return x.new_empty(x.shape[0], codes.shape[0])
 
-    return torch.ops.inferno.int8_group_matmul
+    @torch.library.register_fake("inferno::int8_group_dequantize")
+    def _(codes, scales, mins, group_size):
+        return scales.new_empty(codes.shape)
+
+    return torch.ops.inferno

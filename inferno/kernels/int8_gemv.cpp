@@ -108,21 +108,25 @@ void matmul_rows(const float* x, const float* x_sums, const uint8_t* codes, cons
   }
 }
 
+void check_weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size) {
+  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && mins.dim() == 2, "codes, scales and mins must be 2-D");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat,
+              "scales and mins must be float32 and codes uint8");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
+              "codes, scales and mins must be contiguous");
+  TORCH_CHECK(group_size > 0, "group_size must be positive, got ", group_size);
+  const int64_t n = codes.size(0), k = codes.size(1), groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups && mins.sizes() == scales.sizes(),
+              "scales and mins must be [", n, ", ", groups, "] for ", k, " columns in groups of ", group_size);
+}
+
 // x [M, K] float32; codes [N, K] uint8; scales, mins [N, ceil(K / group_size)] float32 -> [M, N] float32
 at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const at::Tensor& mins, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2 && mins.dim() == 2,
-              "x, codes, scales and mins must be 2-D");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
-                  mins.scalar_type() == at::kFloat,
-              "x, scales and mins must be float32 and codes uint8");
-  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
-              "x, codes, scales and mins must be contiguous");
-  TORCH_CHECK(group_size > 0, "group_size must be positive, got ", group_size);
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  check_weight(codes, scales, mins, group_size);
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), groups = scales.size(1);
   TORCH_CHECK(codes.size(1) == k, "x has ", k, " columns but codes have ", codes.size(1));
-  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups && mins.sizes() == scales.sizes(),
-              "scales and mins must be [", n, ", ", groups, "] for ", k, " columns in groups of ", group_size);
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -140,10 +144,35 @@ at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const
   return y;
 }
 
+// codes [N, K] uint8; scales, mins [N, ceil(K / group_size)] float32 -> W [N, K] float32 (for a dense GEMM)
+at::Tensor int8_group_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                                 int64_t group_size) {
+  check_weight(codes, scales, mins, group_size);
+  const int64_t n = codes.size(0), k = codes.size(1), groups = scales.size(1);
+  auto w = at::empty({n, k}, scales.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float *sp = scales.data_ptr<float>(), *mp = mins.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = j * k + g * group_size, last = j * k + std::min((g + 1) * group_size, k);
+        const float scale = sp[j * groups + g], min = mp[j * groups + g];
+#pragma omp simd
+        for (int64_t i = first; i < last; ++i) wp[i] = static_cast<float>(cp[i]) * scale + min;
+      }
+  });
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("int8_group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
+  m.def("int8_group_dequantize(Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("int8_group_matmul", &int8_group_matmul); }
+TORCH_LIBRARY_IMPL(inferno, CPU, m) {
+  m.impl("int8_group_matmul", &int8_group_matmul);
+  m.impl("int8_group_dequantize", &int8_group_dequantize);
+}
