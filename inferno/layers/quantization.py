@@ -139,7 +139,7 @@ class Int8GroupLinear(nn.Module):
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("mins", weight.mins.float().contiguous())
         self.register_buffer("bias", bias)
-        self.kernels = int8_gemv()
+        self.native = int8_gemv() is not None  # the kernel is built (and its torch.ops registered)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int) -> "Int8GroupLinear":
@@ -148,8 +148,8 @@ class Int8GroupLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32."""
-        if self.kernels is not None:
-            return self.kernels.int8_group_dequantize(self.weight, self.scales, self.mins, self.group_size)
+        if self.native:
+            return torch.ops.inferno.int8_group_dequantize(self.weight, self.scales, self.mins, self.group_size)
         n, k = self.weight.shape
         groups = self.scales.shape[1]
         codes = F.pad(self.weight, (0, groups * self.group_size - k)).view(n, groups, self.group_size)
@@ -159,10 +159,10 @@ class Int8GroupLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
-        if self.kernels is None or x2.shape[0] >= INT8_GROUP_DEQUANTIZE_FROM_ROWS:
-            y = F.linear(x2, self.dequantize())
+        if self.native and x2.shape[0] < INT8_GROUP_DEQUANTIZE_FROM_ROWS:
+            y = torch.ops.inferno.int8_group_matmul(x2, self.weight, self.scales, self.mins, self.group_size)
         else:
-            y = self.kernels.int8_group_matmul(x2, self.weight, self.scales, self.mins, self.group_size)
+            y = F.linear(x2, self.dequantize())
         y = y.view(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
