@@ -63,9 +63,13 @@ class Configuration:
 CONFIGURATIONS = {
     "float32": Configuration("float32", {"dtype": "float32"}),
     "bfloat16": Configuration("bfloat16", {"dtype": "bfloat16"}),
-    "int8": Configuration("int8 weights (bf16 activations)", {"quantization": "int8"}),
-    "int8-fp32": Configuration("int8 weights, float32 activations between the matmuls",
-                               {"quantization": "int8", "dtype": "float32"}),
+    "int8": Configuration("int8 weights, group 32 (float32 activations)", {"quantization": "int8"}),
+    "int8-g64": Configuration("int8 weights, group 64 (float32 activations)",
+                              {"quantization": "int8", "quantization_group_size": 64}),
+    "int8-channel": Configuration("int8 weights per output channel (bf16 activations)",
+                                  {"quantization": "int8", "quantization_group_size": -1}),
+    "int8-channel-fp32": Configuration("int8 weights per output channel, float32 between the matmuls",
+                                       {"quantization": "int8", "quantization_group_size": -1, "dtype": "float32"}),
     "int4-g32": Configuration("int4 weights, group 32", {"quantization": "int4", "quantization_group_size": 32}),
     "int4-g64": Configuration("int4 weights, group 64", {"quantization": "int4", "quantization_group_size": 64}),
     "int4-g128": Configuration("int4 weights, group 128", {"quantization": "int4", "quantization_group_size": 128}),
@@ -127,7 +131,7 @@ def report(args: argparse.Namespace, model_path: str, results: list[Quality]) ->
              f"- Texts: {len(QUALITY_TEXTS)} fixed texts (prose, code, chat, recipe), {results[0].positions} "
              f"next-token positions, fed in chunks of {args.chunk} tokens through the paged KV cache",
              "", "| configuration | mean KL (nats) | top-1 agreement | perplexity |", "|---|---:|---:|---:|"]
-    lines += [f"| {r.name} | {r.mean_kl:.5f} | {r.top1_agreement:.2%} | {r.perplexity:.3f} |" for r in results]
+    lines += [f"| {r.name} | {max(r.mean_kl, 0.0):.5f} | {r.top1_agreement:.2%} | {r.perplexity:.3f} |" for r in results]
     return "\n".join(lines) + "\n"
 
 

@@ -117,16 +117,18 @@ def _is_positive_int(value) -> bool:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATION_METHODS = ("int8", "int4")
-INT4_GROUP_SIZES = (32, 64, 128)
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+PER_CHANNEL = -1  # quantization_group_size for int8 with one scale per output channel (GPTQ's "-1")
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3")
 
 
 @dataclass
 class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None: the default model
-    dtype: str = "auto"  # "auto": bfloat16 with quantized weights (their kernels want it), else float32
-    quantization: str | None = None  # weight-only: None, "int8" (per output channel) or "int4" (group-wise)
-    quantization_group_size: int = 32  # int4 only: input columns per scale/zero (32 loads GGUF Q4_0/Q4_1 as is)
+    dtype: str = "auto"  # "auto": bfloat16 with int4 and per-channel int8 (their kernels want it), else float32
+    quantization: str | None = None  # weight-only: None, "int8" or "int4" (both group-wise)
+    # input columns per scale and min/zero (32 loads GGUF Q4_0/Q4_1 as is); int8 also PER_CHANNEL (-1)
+    quantization_group_size: int = 32
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: int = 4 << 30  # bytes for the KV cache pool (vLLM's CPU default is 4 GiB)
@@ -150,13 +152,16 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, "
                              f"got {self.quantization!r}")
-        if self.quantization_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, "
-                             f"got {self.quantization_group_size}")
+        if self.quantization_group_size not in (*QUANTIZATION_GROUP_SIZES, PER_CHANNEL) or (
+                self.quantization == "int4" and self.quantization_group_size == PER_CHANNEL):
+            raise ValueError(f"quantization_group_size must be one of {list(QUANTIZATION_GROUP_SIZES)} (or "
+                             f"{PER_CHANNEL}: per output channel, int8 only), got {self.quantization_group_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.quantization else "float32"
+            bf16_kernels = self.quantization == "int4" or (
+                self.quantization == "int8" and self.quantization_group_size == PER_CHANNEL)
+            self.dtype = "bfloat16" if bf16_kernels else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory",

@@ -14,11 +14,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="activation dtype (auto: bfloat16 with --quantization, else float32)")
+                        help="activation dtype (auto: bfloat16 with int4 / per-channel int8, else float32)")
     parser.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the linear layers (default: none)")
     parser.add_argument("--quantization-group-size", type=int, default=d.quantization_group_size,
-                        choices=[32, 64, 128], help="int4: input columns per scale and zero point")
+                        choices=[32, 64, 128, -1],
+                        help="input columns per scale and zero point; -1: per output channel (int8 only)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8", "fp8_e4m3"],

@@ -11,24 +11,48 @@ import torch
 logger = logging.getLogger("inferno")
 
 
+def _build(name: str, source: str, fallback: str, extra_cflags: tuple[str, ...] = ()) -> bool:
+    """Compile and load `source` (its operators register on load); False, with a warning, when that fails."""
+    if os.environ.get("INFERNO_DISABLE_CPP_KERNELS") == "1":
+        return False
+    from torch.utils import cpp_extension
+    try:
+        cpp_extension.load(name=name, sources=[str(Path(__file__).with_name(source))],
+                           extra_cflags=["-O3", "-march=native", *extra_cflags, "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return True
+    except Exception as e:  # no compiler / ninja / headers: keep serving on the PyTorch path
+        logger.warning("native kernel %s unavailable (%s: %s); %s", source, type(e).__name__,
+                       str(e).splitlines()[0] if str(e) else "", fallback)
+        return False
+
+
 @functools.cache
 def paged_attention():
     """The `torch.ops.inferno` namespace holding `paged_decode_attention`, or None when it cannot be built."""
-    if os.environ.get("INFERNO_DISABLE_CPP_KERNELS") == "1":
-        return None
-    from torch.utils import cpp_extension
-    try:
-        cpp_extension.load(
-            name="inferno_paged_attention_op", sources=[str(Path(__file__).with_name("paged_attention.cpp"))],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
-            verbose=False)
-    except Exception as e:  # no compiler / ninja / headers: keep serving on the PyTorch path
-        logger.warning("native paged attention kernel unavailable (%s: %s); using the PyTorch path",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    if not _build("inferno_paged_attention_op", "paged_attention.cpp", "using the PyTorch attention path"):
         return None
 
     @torch.library.register_fake("inferno::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):  # shapes for torch.compile's tracing
         return torch.empty_like(q)
+
+    return torch.ops.inferno
+
+
+@functools.cache
+def int8_gemv():
+    """The `torch.ops.inferno` namespace holding `int8_group_matmul` (float32 rows times group-wise int8 weights)
+    and `int8_group_dequantize` (see int8_gemv.cpp), or None when they cannot be built."""
+    if not _build("inferno_int8_gemv", "int8_gemv.cpp", "using dequantize + F.linear", ("-ffp-contract=fast",)):
+        return None
+
+    @torch.library.register_fake("inferno::int8_group_matmul")
+    def _(x, codes, scales, mins, group_size):  # shapes for torch.compile's tracing
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("inferno::int8_group_dequantize")
+    def _(codes, scales, mins, group_size):
+        return scales.new_empty(codes.shape)
 
     return torch.ops.inferno

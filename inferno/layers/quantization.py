@@ -1,12 +1,16 @@
-"""Weight-only quantized linear layers on PyTorch's packed low-bit CPU kernels.
+"""Weight-only quantized linear layers for CPU inference.
 
-- int8: per-output-channel absmax scales, `torch._weight_int8pack_mm`.
+- int8, group-wise (the default): unsigned 8-bit codes with a float32 scale and min per group of 32/64/128 input
+  columns (w = q * scale + min, asymmetric), float32 activations, the native `inferno::int8_group_matmul` kernel
+  (kernels/int8_gemv.cpp) for the few rows of a decode step. GGUF Q4_0/Q4_1 blocks of 32 load as they are (their
+  4-bit codes are 8-bit codes too), so the default model keeps its own weights.
+- int8, per output channel (group size PER_CHANNEL): absmax scales, `torch._weight_int8pack_mm`.
 - int4: group-wise unsigned 4-bit with a scale and a min per group (w = q * scale + min, the GGUF Q4_0/Q4_1
   block form), `torch._weight_int4pack_mm_for_cpu`. Its scale-and-zero table stores the zero at the middle
   code: w = (q - 8) * scale + zero, zero = min + 8 * scale.
 
-Both kernels run fast only with bfloat16 activations (float32 activations are 10-50x slower on torch 2.13 CPU),
-so the layers compute in bfloat16 and return the caller's dtype.
+PyTorch's two packed kernels run fast only with bfloat16 activations (float32 activations are 10-50x slower on
+torch 2.13 CPU), so those layers compute in bfloat16 and return the caller's dtype.
 """
 from dataclasses import dataclass
 
@@ -14,19 +18,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferno.config import PER_CHANNEL
+from inferno.kernels import int8_gemv
+
 COMPUTE_DTYPE = torch.bfloat16
 # From this many rows (prefill, large batches), dequantizing the weight once and running the dense bf16 GEMM beats
 # the packed kernels, which are tuned for matrix-vector products (3072x576 weight, 512 rows, one core: 41-45 ms
 # packed against 4 ms int8 / 11 ms int4 dequantize-then-GEMM; the crossover is near 32 rows for int8, 96 for int4).
 INT8_DEQUANTIZE_FROM_ROWS = 32
 INT4_DEQUANTIZE_FROM_ROWS = 96
+# The native group-wise int8 kernel against float32 dequantize-then-GEMM, the 4 projections of one SmolLM2 layer on
+# one core: 1 row 0.27 ms against 1.45 ms, 8 rows 1.2 against 2.4, 16 rows 2.41 against 2.48, 32 rows 5.1 against 3.1.
+INT8_GROUP_DEQUANTIZE_FROM_ROWS = 16
+LM_HEAD_GROUP_SIZE = 32  # group-wise int8 LM head: symmetric groups of 32, the GGUF Q8_0 block (exact for it)
 INT4_PACK_BLOCK_N = 64  # torch's CPU int4 layout: per 64 output rows, byte i holds rows i (low) and i + 32 (high)
 
 
 @dataclass(slots=True)
 class GroupQuantized:
-    """Unsigned 4-bit codes with a scale and a min per group of `K / scales.shape[1]` input columns."""
-    codes: torch.Tensor  # [N, K] uint8 in [0, 15]
+    """Unsigned codes with a scale and a min per group of `K / scales.shape[1]` input columns."""
+    codes: torch.Tensor  # [N, K] uint8: in [0, 15] for 4 bits, [0, 255] for 8 bits
     scales: torch.Tensor  # [N, K / group] float32
     mins: torch.Tensor  # [N, K / group] float32
 
@@ -56,14 +67,40 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> GroupQuantized:
-    """[N, K] float -> asymmetric 4-bit groups along K (K a multiple of group_size)."""
+def pad_to_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] -> [N, K rounded up to a multiple of group_size], repeating the last column (which leaves the range
+    of the last group as it was)."""
+    missing = -w.shape[1] % group_size
+    return torch.cat([w, w[:, -1:].expand(-1, missing)], dim=1) if missing else w
+
+
+def quantize_groups(w: torch.Tensor, group_size: int, bits: int) -> GroupQuantized:
+    """[N, K] float -> asymmetric `bits`-bit groups along K: each group's min and (max - min) / (2^bits - 1) as
+    scale; K is padded up to a multiple of group_size (pad_to_groups)."""
+    levels = (1 << bits) - 1
+    w = pad_to_groups(w.float(), group_size)
     n, k = w.shape
-    groups = w.float().view(n, k // group_size, group_size)
+    groups = w.view(n, k // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = ((hi - lo) / 15).clamp(min=1e-12)
-    codes = torch.round((groups - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    scales = ((hi - lo) / levels).clamp(min=1e-12)
+    codes = torch.round((groups - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, levels).to(torch.uint8)
     return GroupQuantized(codes.view(n, k), scales, lo)
+
+
+def quantize_groups_symmetric(w: torch.Tensor, group_size: int) -> GroupQuantized:
+    """[N, K] float -> absmax 8-bit groups (w = c * scale, c in [-127, 127]) stored as codes c + 128 with
+    min = -128 * scale. GGUF Q8_0 blocks (absmax / 127 per 32) come back exactly with group_size 32."""
+    w = pad_to_groups(w.float(), group_size)
+    n, k = w.shape
+    groups = w.view(n, k // group_size, group_size)
+    scales = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    codes = torch.round(groups / scales.unsqueeze(-1)).clamp(-127, 127) + 128
+    return GroupQuantized(codes.to(torch.uint8).view(n, k), scales, -128 * scales)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> GroupQuantized:
+    """[N, K] float -> asymmetric 4-bit groups along K."""
+    return quantize_groups(w, group_size, bits=4)
 
 
 class Int8Linear(nn.Module):
@@ -85,6 +122,49 @@ class Int8Linear(nn.Module):
             y = F.linear(x2, self.weight.to(COMPUTE_DTYPE) * self.scales.unsqueeze(1))
         else:
             y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8GroupLinear(nn.Module):
+    """Group-wise int8 weights, float32 activations: the native kernel for decode-sized batches, dequantize-then-
+    float32-GEMM from INT8_GROUP_DEQUANTIZE_FROM_ROWS rows (or without a C++ compiler)."""
+
+    def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None, in_features: int | None = None):
+        """`weight` may have columns appended (up to a multiple of the group size) beyond `in_features`: they are
+        dropped; the last group is then partial."""
+        super().__init__()
+        self.out_features = weight.codes.shape[0]
+        self.in_features = in_features or weight.codes.shape[1]
+        self.group_size = weight.group_size
+        self.register_buffer("weight", weight.codes[:, :self.in_features].contiguous())
+        self.register_buffer("scales", weight.scales.float().contiguous())
+        self.register_buffer("mins", weight.mins.float().contiguous())
+        self.register_buffer("bias", bias)
+        self.native = int8_gemv() is not None  # the kernel is built (and its torch.ops registered)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int) -> "Int8GroupLinear":
+        w = linear.weight.detach()
+        return cls(quantize_groups(w, group_size, bits=8), linear.bias, w.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32."""
+        if self.native:
+            return torch.ops.inferno.int8_group_dequantize(self.weight, self.scales, self.mins, self.group_size)
+        n, k = self.weight.shape
+        groups = self.scales.shape[1]
+        codes = F.pad(self.weight, (0, groups * self.group_size - k)).view(n, groups, self.group_size)
+        w = torch.addcmul(self.mins.unsqueeze(-1), codes, self.scales.unsqueeze(-1))
+        return w.view(n, groups * self.group_size)[:, :k]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        if self.native and x2.shape[0] < INT8_GROUP_DEQUANTIZE_FROM_ROWS:
+            y = torch.ops.inferno.int8_group_matmul(x2, self.weight, self.scales, self.mins, self.group_size)
+        else:
+            y = F.linear(x2, self.dequantize())
         y = y.view(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -132,19 +212,29 @@ class Int4Linear(nn.Module):
 
 def quantize_linears(model: nn.Module, method: str, group_size: int,
                      prequantized: dict[str, GroupQuantized] | None = None) -> None:
-    """Swap every projection of the decoder layers for its quantized form, and the LM head for int8.
+    """Swap every projection of the decoder layers for its quantized form, and the LM head for int8: group-wise
+    (symmetric groups of LM_HEAD_GROUP_SIZE) with group-wise int8, per output channel otherwise.
 
-    `prequantized` maps a layer's name to 4-bit codes read straight from the checkpoint (GGUF Q4_0/Q4_1 with
-    blocks of `group_size`); those are packed as they are, the rest are quantized from their float weights.
+    `method` "int8" with `group_size` PER_CHANNEL is the per-channel form. `prequantized` maps a layer's name to
+    4-bit codes read straight from the checkpoint (GGUF Q4_0/Q4_1 with blocks of `group_size`); those are packed
+    as they are (int4) or taken as 8-bit codes (group-wise int8), the rest are quantized from their float weights.
     The quantized layers hold whole weights and do no all-reduce: one tensor-parallel rank only (each pipeline
     stage quantizes the layers it holds).
     """
     prequantized = prequantized or {}
+    grouped_int8 = method == "int8" and group_size != PER_CHANNEL
     for name, module in list(model.named_modules()):
-        if name == "lm_head":  # a (single-rank) ParallelLMHead: logits = hidden @ weight.t()
+        if name == "lm_head" and grouped_int8:  # a (single-rank) ParallelLMHead: logits = hidden @ weight.t()
+            quantized = Int8GroupLinear(quantize_groups_symmetric(module.weight.detach(), LM_HEAD_GROUP_SIZE), None,
+                                        module.weight.shape[1])
+        elif name == "lm_head":
             quantized = Int8Linear(*quantize_int8(module.weight.detach()), None)
         elif not isinstance(module, nn.Linear):
             continue
+        elif grouped_int8 and name in prequantized:
+            quantized = Int8GroupLinear(prequantized[name], module.bias)
+        elif grouped_int8:
+            quantized = Int8GroupLinear.from_float(module, group_size)
         elif method == "int8":
             quantized = Int8Linear.from_float(module)
         elif name in prequantized:

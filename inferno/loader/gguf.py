@@ -106,13 +106,13 @@ def q4_codes(tensor: gguf.ReaderTensor) -> GroupQuantized:
 
 
 def iter_weights(reader: gguf.GGUFReader, config: ModelConfig,
-                 int4_group_size: int | None = None) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
-    """HF-named weights; with `int4_group_size=32`, Q4_0/Q4_1 projection weights come as 4-bit codes."""
+                 group_size: int | None = None) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+    """HF-named weights; with `group_size=32`, Q4_0/Q4_1 projection weights come as 4-bit codes (GroupQuantized)."""
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file")
-        if (int4_group_size == Q4_BLOCK_SIZE and tensor.tensor_type in Q4_TYPES and name.endswith("proj.weight")):
+        if (group_size == Q4_BLOCK_SIZE and tensor.tensor_type in Q4_TYPES and name.endswith("proj.weight")):
             w = q4_codes(tensor)
         else:
             w = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),

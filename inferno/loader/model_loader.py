@@ -51,7 +51,7 @@ def read_model_config(path: str) -> ModelConfig:
 def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SINGLE,
                quantization: str | None = None, group_size: int = 32) -> LoadedModel:
     """The model, or with several ranks this rank's shard of it (see `LlamaForCausalLM`); `quantization` "int8" /
-    "int4" (groups of `group_size`) swaps the projections for quantized layers."""
+    "int4" (groups of `group_size`, int8 also PER_CHANNEL) swaps the projections for quantized layers."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
@@ -59,7 +59,7 @@ def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SI
     if p.is_file():
         reader = gguf_loader.open_gguf(path)
         config = gguf_loader.read_config(reader)
-        weights = gguf_loader.iter_weights(reader, config, group_size if quantization == "int4" else None)
+        weights = gguf_loader.iter_weights(reader, config, group_size if quantization else None)
         tokenizer = Tokenizer.from_gguf(reader)
     else:
         config = hf_loader.read_config(p)
