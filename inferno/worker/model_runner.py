@@ -65,7 +65,7 @@ class ModelRunner:
         # the same tensors for the runner's lifetime, so each runner compiles its own copy of the function (graphs
         # are cached per code object: a draft model's runner must not find the target's). Fused bfloat16 ops round
         # where the eager ones do, so both paths give the same numbers.
-        self.compiled_decode, self.compiling = None, False
+        self.compiled_decode = None
         if not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1:
             self.compiled_decode = torch.compile(with_own_code(self._decode_forward), dynamic=True, options={
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
@@ -96,37 +96,35 @@ class ModelRunner:
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
         decodes = mb.decodes
+        input_ids, positions, slot_mapping = (torch.tensor(values, dtype=torch.long)
+                                              for values in (mb.input_ids, mb.positions, mb.slot_mapping))
         if self.compiled_decode is not None and not mb.prefills and hidden is None:
             group = self._decode_group(0, decodes)
-            return self._run_compiled_decode(torch.tensor(mb.input_ids, dtype=torch.long),
-                                             torch.tensor(mb.positions, dtype=torch.long),
-                                             torch.tensor(mb.slot_mapping, dtype=torch.long), group.block_tables,
-                                             group.seq_lens)
+            return self._run_compiled_decode(input_ids, positions, slot_mapping, group.block_tables, group.seq_lens)
         group_size = max(len(decodes), 1) if self.use_kernels else DECODE_GROUP_SIZE
         groups = [self._decode_group(i, decodes[i:i + group_size]) for i in range(0, len(decodes), group_size)]
         prefills, start = [], len(decodes)
         for n, num_computed, block_ids in mb.prefills:
             prefills.append(self._prefill_chunk(start, n, num_computed, block_ids))
             start += n
-        meta = AttentionMetadata(torch.tensor(mb.slot_mapping, dtype=torch.long), groups, prefills)
-        return self.model(torch.tensor(mb.input_ids, dtype=torch.long), torch.tensor(mb.positions, dtype=torch.long),
-                          meta, hidden)
+        return self.model(input_ids, positions, AttentionMetadata(slot_mapping, groups, prefills), hidden)
 
     @torch.inference_mode()
     def _compile_decode_step(self) -> None:
         """Compile now rather than on the first requests: the graph for one sequence, then the dynamic-batch one
         (three-block tables: equal sizes would be tied together). The dummy token writes K/V into slot 0 of
         block 0, which no request holds yet."""
-        start, self.compiling = time.perf_counter(), True
+        start = time.perf_counter()
         for batch in (1, 2):
             self._run_compiled_decode(*(torch.zeros(batch, dtype=torch.long) for _ in range(3)),
-                                      torch.zeros(batch, 3, dtype=torch.long), torch.ones(batch, dtype=torch.long))
-        self.compiling = False
+                                      torch.zeros(batch, 3, dtype=torch.long), torch.ones(batch, dtype=torch.long),
+                                      stance="default")
         logger.info("compiled the decode step in %.1f s (enforce_eager=True skips this)", time.perf_counter() - start)
 
     def _run_compiled_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Two graphs, compiled at start-up: one request (sizes of 1 are always specialised) and small batches.
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                             stance: str = "eager_on_recompile") -> torch.Tensor:
+        """Two graphs, compiled at start-up (`stance` "default" there): one request (sizes of 1 are always specialised) and small batches.
         The batch graph is guarded on the row counts where quantized layers switch kernels (e.g. int4 dequantizes
         from 96 rows); a batch beyond them runs eagerly instead of compiling more graphs mid-serving (where the
         per-op overhead matters less anyway). The block-table width and the batch size are marked dynamic
@@ -137,9 +135,7 @@ class ModelRunner:
         if input_ids.shape[0] > 1:
             for t in (input_ids, positions, slot_mapping, block_tables, seq_lens):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        if self.compiling:
-            return self.compiled_decode(input_ids, positions, slot_mapping, block_tables, seq_lens)
-        with torch.compiler.set_stance("eager_on_recompile"):
+        with torch.compiler.set_stance(stance):
             return self.compiled_decode(input_ids, positions, slot_mapping, block_tables, seq_lens)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
