@@ -9,27 +9,28 @@ from inferno.layers.attention import Attention, DecodeGroup, block_rows
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 9, 3, 64, 16, 200
 
 
-def random_batch(dtype: torch.dtype, seq_lens: list[int]):
+def random_batch(dtype: torch.dtype, seq_lens: list[int], head_dim: int = HEAD_DIM):
     torch.manual_seed(0)
-    attn = Attention(HEADS, KV_HEADS, HEAD_DIM)
-    attn.k_cache = torch.randn(KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM, dtype=dtype)
-    attn.v_cache = torch.randn(KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM, dtype=dtype)
+    attn = Attention(HEADS, KV_HEADS, head_dim)
+    attn.k_cache = torch.randn(KV_HEADS, NUM_BLOCKS, BLOCK, head_dim, dtype=dtype)
+    attn.v_cache = torch.randn(KV_HEADS, NUM_BLOCKS, BLOCK, head_dim, dtype=dtype)
     width = max(-(-n // BLOCK) for n in seq_lens)
     tables = torch.stack([torch.randperm(NUM_BLOCKS)[:width] for _ in seq_lens])
-    q = torch.randn(len(seq_lens), HEADS, HEAD_DIM, dtype=dtype)
+    q = torch.randn(len(seq_lens), HEADS, head_dim, dtype=dtype)
     return attn, q, tables, torch.tensor(seq_lens)
 
 
 def dense_reference(attn: Attention, q, tables, seq_lens) -> torch.Tensor:
     out = []
+    head_dim = attn.k_cache.shape[-1]
     for b, n in enumerate(seq_lens.tolist()):
-        k = attn.k_cache[:, tables[b]].reshape(KV_HEADS, -1, HEAD_DIM)[:, :n].float()
-        v = attn.v_cache[:, tables[b]].reshape(KV_HEADS, -1, HEAD_DIM)[:, :n].float()
+        k = attn.k_cache[:, tables[b]].reshape(KV_HEADS, -1, head_dim)[:, :n].float()
+        v = attn.v_cache[:, tables[b]].reshape(KV_HEADS, -1, head_dim)[:, :n].float()
         out.append(F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True).squeeze(1))
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("path", ["kernel", "gather"])
 # one long sequence and a short one beside a long one: the kernel splits them over threads (flash-decoding)
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 333], [1000], [3, 700]])
@@ -46,3 +47,20 @@ def test_decode_attention_matches_dense(path, dtype, tol, lens):
         out = attn._decode(q, group)
     assert out.dtype == dtype
     assert (out.float() - dense_reference(attn, q, tables, seq_lens)).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("head_dim", [128, 80, 32])  # compiled for 64 and 128, a loop over 16-wide chunks else
+def test_decode_kernel_head_dims(head_dim):
+    if paged_attention() is None:
+        pytest.skip("no C++ compiler: the native kernel is not built")
+    attn, q, tables, seq_lens = random_batch(torch.float32, [1, 17, 300], head_dim)
+    out = attn._decode(q, DecodeGroup(0, 3, tables, seq_lens))
+    assert (out - dense_reference(attn, q, tables, seq_lens)).abs().max().item() < 1e-5
+
+
+def test_decode_kernel_rejects_head_dim_it_cannot_tile():
+    if paged_attention() is None:
+        pytest.skip("no C++ compiler: the native kernel is not built")
+    attn, q, tables, seq_lens = random_batch(torch.float32, [5], 72)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        attn._decode(q, DecodeGroup(0, 1, tables, seq_lens))

@@ -43,8 +43,10 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
         quantized_kv = engine_config.kv_cache_dtype != "auto"
-        # the native decode kernel reads float caches; a quantized cache is dequantized on the PyTorch path
-        self.use_kernels = paged_attention() is not None and not quantized_kv
+        # the native decode kernel reads float caches (a quantized cache is dequantized on the PyTorch path) in
+        # 16-wide chunks of a head
+        self.use_kernels = (paged_attention() is not None and not quantized_kv and self.config.head_dim % 16 == 0
+                            and self.config.head_dim <= 256)
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         keep_freed_memory()
