@@ -19,7 +19,7 @@ from inferno import LLM, SamplingParams
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.partition import split_heads
 from inferno.executor import ExecutorDeadError
-from inferno.layers.quantization import Int4Linear, Int8Linear
+from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.model.llama import LlamaForCausalLM
 from test_model_vs_hf import PROMPTS, write_tiny_hf_model
 from test_server import RemoteServer
@@ -151,7 +151,7 @@ def test_pipeline_with_int4_weights_and_int8_kv_cache_matches_one_process():
     with parallel_llm(pipeline_parallel_size=2, **quantized) as llm:
         model = llm.llm_engine.model_runner.model
         assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks
-        assert isinstance(model.lm_head, Int8Linear)
+        assert isinstance(model.lm_head, Q8Linear)
         assert all(isinstance(model.layers[i].mlp.down_proj, Int4Linear) for i in model.stage_layers)
         assert len(model.stage_layers) < single.llm_engine.model_config.num_hidden_layers
         assert all(a.k_cache.dtype == torch.int8 and a.k_scale is not None for a in model.attention_layers)

@@ -11,10 +11,10 @@ from torch import nn
 from conftest import prefill_logits
 from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
-from inferno.kernels import int8_gemv
-from inferno.layers.quantization import (INT8_GROUP_DEQUANTIZE_FROM_ROWS, GroupQuantized, Int4Linear, Int8GroupLinear,
-                                         Int8Linear, quantize_groups, quantize_groups_symmetric, quantize_int4,
-                                         quantize_int8)
+from inferno.kernels import quantized_gemv
+from inferno.layers.quantization import (INT8_GROUP_DEQUANTIZE_FROM_ROWS, Q8_DEQUANTIZE_FROM_ROWS, GroupQuantized,
+                                         Int4Linear, Int8GroupLinear, Int8Linear, Q8Linear, quantize_groups,
+                                         quantize_groups_symmetric, quantize_int4, quantize_int8)
 from inferno.loader.gguf import q4_codes
 
 # Prose, code and chat; together ~150 next-token positions for the agreement checks.
@@ -51,7 +51,7 @@ def random_group_weight(n: int, k: int, group_size: int) -> GroupQuantized:
     return GroupQuantized(codes, torch.rand(n, groups) / 100, torch.randn(n, groups) / 10)
 
 
-needs_kernel = pytest.mark.skipif(int8_gemv() is None, reason="no C++ compiler for the native kernel")
+needs_kernel = pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernel")
 
 
 @needs_kernel
@@ -67,7 +67,7 @@ def test_int8_group_kernel_matches_dequantize_then_matmul(m, n, k, group_size):
     weight = random_group_weight(n, k, group_size)
     x = torch.randn(m, k)
     ref = x.double() @ weight.dequantize()[:, :k].double().t()
-    y = int8_gemv().int8_group_matmul(x, weight.codes[:, :k].contiguous(), weight.scales, weight.mins, group_size)
+    y = quantized_gemv().int8_group_matmul(x, weight.codes[:, :k].contiguous(), weight.scales, weight.mins, group_size)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
@@ -76,7 +76,7 @@ def test_int8_group_kernel_matches_dequantize_then_matmul(m, n, k, group_size):
 def test_int8_group_kernel_rejects_bad_inputs():
     weight = random_group_weight(16, 64, 32)
     codes, scales, mins = weight.codes, weight.scales, weight.mins
-    kernel = int8_gemv().int8_group_matmul
+    kernel = quantized_gemv().int8_group_matmul
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="x must be 2-D, float32, contiguous"):
         kernel(x.bfloat16(), codes, scales, mins, 32)
@@ -97,8 +97,65 @@ def test_int8_group_kernel_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="x must be 2-D"):
         kernel(x[0], codes, scales, mins, 32)
     with pytest.raises(RuntimeError, match="scales and mins must be float32"):
-        int8_gemv().int8_group_dequantize(codes, scales.double(), mins, 32)
+        quantized_gemv().int8_group_dequantize(codes, scales.double(), mins, 32)
     assert kernel(torch.randn(0, 64), codes, scales, mins, 32).shape == (0, 16)
+
+
+def quantize_rows_like_q8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded the way int8_q8_matmul quantizes it: absmax / 127 per group of 32, to nearest (ties to even)."""
+    groups = x.view(x.shape[0], -1, 32)
+    scales = groups.abs().amax(dim=-1, keepdim=True) / 127
+    codes = torch.where(scales > 0, torch.round(groups * (127 / groups.abs().amax(dim=-1, keepdim=True))), 0)
+    return (codes * scales).view_as(x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n, k", [(1, 64, 64), (1, 576, 576), (3, 17, 96), (4, 40, 256), (5, 33, 576),
+                                     (9, 48, 1536), (1, 8, 32), (6, 100, 160)])  # odd group counts: 1, 3, 5
+def test_q8_kernel_matches_dequantize_then_matmul_of_quantized_rows(m, n, k):
+    """The kernel's integer sums equal float sums of the dequantized weights and of x rounded to its int8 grid; and
+    that rounding costs little against x itself."""
+    torch.manual_seed(m * n + k)
+    weight = quantize_groups_symmetric(torch.randn(n, k), 32)
+    x = torch.randn(m, k)
+    x[0, 32:64] = 0  # an all-zero group has scale 0
+    y = quantized_gemv().int8_q8_matmul(x, weight.codes, weight.scales)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    ref = quantize_rows_like_q8(x).double() @ weight.dequantize().double().t()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    exact = x.double() @ weight.dequantize().double().t()
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+@needs_kernel
+def test_q8_kernel_rejects_bad_inputs():
+    weight = quantize_groups_symmetric(torch.randn(16, 64), 32)
+    kernel = quantized_gemv().int8_q8_matmul
+    with pytest.raises(RuntimeError, match="x must be 2-D, float32, contiguous"):
+        kernel(torch.randn(2, 64).bfloat16(), weight.codes, weight.scales)
+    with pytest.raises(RuntimeError, match="a multiple of 32"):
+        kernel(torch.randn(2, 48), weight.codes[:, :48].contiguous(), weight.scales)
+    with pytest.raises(RuntimeError, match="scales must be float32"):
+        kernel(torch.randn(2, 64), weight.codes, weight.scales[:, :1].contiguous())
+    assert kernel(torch.randn(0, 64), weight.codes, weight.scales).shape == (0, 16)
+
+
+@pytest.mark.parametrize("rows", [1, 6, Q8_DEQUANTIZE_FROM_ROWS + 1])  # the last: dequantize-then-GEMM
+@pytest.mark.parametrize("native", [True, False])
+def test_q8_linear_matches_its_dequantized_weight(rows, native):
+    torch.manual_seed(rows)
+    w = torch.randn(200, 96)
+    layer = Q8Linear.from_float(w)
+    if not native:
+        layer.native = False
+    elif not layer.native:
+        pytest.skip("no C++ compiler for the native kernel")
+    x = torch.randn(rows, 96)
+    ref = x @ layer.dequantize().t()
+    y = layer(x.bfloat16())
+    assert y.shape == (rows, 200) and y.dtype == torch.bfloat16
+    assert relative_error(y, ref) < 1e-2  # bf16 (or int8-quantized) activations
+    assert relative_error(ref, x @ w.t()) < 1e-2  # and 8-bit groups are close to the float weights
 
 
 @pytest.mark.parametrize("rows", [1, 5, INT8_GROUP_DEQUANTIZE_FROM_ROWS + 3])  # the last: dequantize-then-GEMM
@@ -142,6 +199,47 @@ def test_int8_per_channel_matmul_matches_dequantized_reference(batch):
     assert relative_error(ref, lin(x)) < 2e-2  # and int8 itself is close to the float weights
 
 
+@needs_kernel
+@pytest.mark.parametrize("m, n, k, group_size", [
+    (1, 64, 64, 32), (1, 576, 576, 32), (3, 17, 128, 64), (4, 40, 256, 128), (5, 33, 576, 64), (9, 48, 1536, 32),
+    (6, 100, 640, 128),  # 20 blocks: a chunk of 16 and a last one of 4
+    (2, 24, 1088, 32),  # 34 blocks: a last chunk of 2
+])
+def test_int4_kernel_matches_the_sums_it_promises(m, n, k, group_size):
+    """Per block, d * xs * sum (c - 8) xq in integers plus, per group, (min + 8 d) times the exact sum of x: the
+    float sums of the same terms; and the int8 rounding of x costs little against x itself."""
+    torch.manual_seed(m * n + k)
+    layer = Int4Linear(quantize_int4(torch.randn(n, k), group_size), None)
+    x = torch.randn(m, k)
+    x[0, 32:64] = 0  # an all-zero block has scale 0
+    y = quantized_gemv().int4_q8_matmul(x, layer.weight, group_size)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    w = layer.dequantize().double().view(n, -1, group_size)
+    halves = layer.weight[:, k // 2:].contiguous().view(torch.float16).double()
+    scales, mins = halves[:, :k // group_size, None], halves[:, k // group_size:, None]
+    zero_points = (mins + 8 * scales).expand_as(w)
+    ref = (quantize_rows_like_q8(x).double() @ (w - zero_points).view(n, k).t()
+           + x.double() @ zero_points.reshape(n, k).t())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    exact = x.double() @ layer.dequantize().double().t()
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+@needs_kernel
+def test_int4_kernel_rejects_bad_inputs():
+    layer = Int4Linear(quantize_int4(torch.randn(16, 128), 32), None)
+    kernel = quantized_gemv().int4_q8_matmul
+    with pytest.raises(RuntimeError, match="x must be 2-D, float32, contiguous"):
+        kernel(torch.randn(2, 128).bfloat16(), layer.weight, 32)
+    with pytest.raises(RuntimeError, match="group_size must be 32, 64 or 128"):
+        kernel(torch.randn(2, 128), layer.weight, 16)
+    with pytest.raises(RuntimeError, match="a multiple of 64"):
+        kernel(torch.randn(2, 96), layer.weight, 32)
+    with pytest.raises(RuntimeError, match="packed must be uint8"):
+        kernel(torch.randn(2, 128), layer.weight, 64)  # 64-column groups: a shorter row
+    assert kernel(torch.randn(0, 128), layer.weight, 32).shape == (0, 16)
+
+
 @pytest.mark.parametrize("rows", [5, 100])  # 100 rows: dequantize-then-GEMM path
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_matmul_matches_dequantized_reference(group_size, rows):
@@ -149,7 +247,10 @@ def test_int4_matmul_matches_dequantized_reference(group_size, rows):
     x = torch.randn(rows, 96)
     padded = torch.nn.functional.pad(lin.weight, (0, -96 % group_size))
     ref = x @ quantize_int4(padded, group_size).dequantize()[:, :96].t()
-    assert relative_error(Int4Linear.from_float(lin, group_size)(x), ref) < 1e-2
+    layer = Int4Linear.from_float(lin, group_size)
+    assert relative_error(layer(x), ref) < 1e-2  # int8 (kernel) or bf16 (GEMM) activations, float16 scales
+    layer.native = False  # the fallback without a C++ compiler
+    assert relative_error(layer(x), ref) < 1e-2
     assert relative_error(ref, lin(x)) < 0.15
 
 
@@ -216,9 +317,10 @@ def test_int4_group_32_packs_gguf_q4_1_exactly(int4_llm, model_path):
     stored = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     down = int4_llm.llm_engine.model_runner.model.layers[0].mlp.down_proj
     assert isinstance(down, Int4Linear) and down.group_size == 32
+    weight = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type))
+    torch.testing.assert_close(down.dequantize(), weight, rtol=0, atol=1e-6 * weight.abs().max().item())
     x = torch.randn(3, down.in_features)
-    ref = x @ torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type)).t()
-    assert relative_error(down(x), ref) < 1e-2  # only bf16 activations and bf16 scales differ
+    assert relative_error(down(x), x @ weight.t()) < 1e-2  # int8 activations
 
 
 def test_int8_group_32_holds_gguf_q4_1_and_q8_0_exactly(int8_llm, model_path):
@@ -245,16 +347,18 @@ def test_quantized_weights_shrink_by_the_expected_factor(llm, int8_llm, int8_cha
     channel_layers = projections(int8_channel_llm)
     channel_bytes = sum(l.weight.nbytes + l.scales.nbytes for l in channel_layers)
     int4_layers = projections(int4_llm)
-    int4_bytes = sum(l.weight.nbytes + l.scales_and_zeros.nbytes for l in int4_layers)
+    int4_bytes = sum(l.weight.nbytes for l in int4_layers)  # codes, scales and mins in one buffer
     assert all(isinstance(l, Int8GroupLinear) and l.weight.dtype == torch.uint8 for l in group_layers)
     assert all(isinstance(l, Int8Linear) and l.weight.dtype == torch.int8 for l in channel_layers)
     assert all(l.weight.dtype == torch.uint8 for l in int4_layers)
     assert len(group_layers) == len(channel_layers) == len(int4_layers) == len(projections(llm))
     assert 3.1 < float_bytes / int8_bytes <= 3.2  # 1 byte per weight + float32 scale and min per 32 weights
     assert 3.9 < float_bytes / channel_bytes <= 4  # 1 byte per weight + a bf16 scale per output row
-    assert 6.3 < float_bytes / int4_bytes <= 8  # half a byte per weight + bf16 scale and zero per 32 weights
-    lm_head = int8_channel_llm.llm_engine.model_runner.model.lm_head
-    assert isinstance(lm_head, Int8Linear) and lm_head.weight.dtype == torch.int8
+    assert 6.3 < float_bytes / int4_bytes <= 8  # half a byte per weight + float16 scale and min per 32 weights
+    for quantized in (int8_channel_llm, int4_llm):  # Q8_0 groups: 1 byte per weight + a float32 scale per 32
+        lm_head = quantized.llm_engine.model_runner.model.lm_head
+        assert isinstance(lm_head, Q8Linear) and lm_head.weight.dtype == torch.uint8
+        assert lm_head.weight.nbytes + lm_head.scales.nbytes == lm_head.weight.numel() * (1 + 4 / 32)
 
 
 @pytest.mark.parametrize("which", ["int8", "int8-channel", "int4"])

@@ -41,10 +41,12 @@ def paged_attention():
 
 
 @functools.cache
-def int8_gemv():
-    """The `torch.ops.inferno` namespace holding `int8_group_matmul` (float32 rows times group-wise int8 weights)
-    and `int8_group_dequantize` (see int8_gemv.cpp), or None when they cannot be built."""
-    if not _build("inferno_int8_gemv", "int8_gemv.cpp", "using dequantize + F.linear", ("-ffp-contract=fast",)):
+def quantized_gemv():
+    """The `torch.ops.inferno` namespace holding `int8_group_matmul` (float32 rows times group-wise int8 weights),
+    `int8_group_dequantize`, and `int8_q8_matmul` / `int4_q8_matmul` (rows quantized to int8 times symmetric int8
+    groups of 32 / group-wise int4; see quantized_gemv.cpp), or None when they cannot be built."""
+    if not _build("inferno_quantized_gemv", "quantized_gemv.cpp", "using dequantize + F.linear",
+                  ("-ffp-contract=fast",)):
         return None
 
     @torch.library.register_fake("inferno::int8_group_matmul")
@@ -54,5 +56,13 @@ def int8_gemv():
     @torch.library.register_fake("inferno::int8_group_dequantize")
     def _(codes, scales, mins, group_size):
         return scales.new_empty(codes.shape)
+
+    @torch.library.register_fake("inferno::int8_q8_matmul")
+    def _(x, codes, scales):
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("inferno::int4_q8_matmul")
+    def _(x, packed, group_size):
+        return x.new_empty(x.shape[0], packed.shape[0])
 
     return torch.ops.inferno

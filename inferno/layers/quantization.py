@@ -2,15 +2,18 @@
 
 - int8, group-wise (the default): unsigned 8-bit codes with a float32 scale and min per group of 32/64/128 input
   columns (w = q * scale + min, asymmetric), float32 activations, the native `inferno::int8_group_matmul` kernel
-  (kernels/int8_gemv.cpp) for the few rows of a decode step. GGUF Q4_0/Q4_1 blocks of 32 load as they are (their
-  4-bit codes are 8-bit codes too), so the default model keeps its own weights.
-- int8, per output channel (group size PER_CHANNEL): absmax scales, `torch._weight_int8pack_mm`.
-- int4: group-wise unsigned 4-bit with a scale and a min per group (w = q * scale + min, the GGUF Q4_0/Q4_1
-  block form), `torch._weight_int4pack_mm_for_cpu`. Its scale-and-zero table stores the zero at the middle
-  code: w = (q - 8) * scale + zero, zero = min + 8 * scale.
+  (kernels/quantized_gemv.cpp) for the few rows of a decode step. GGUF Q4_0/Q4_1 blocks of 32 load as they are
+  (their 4-bit codes are 8-bit codes too), so the default model keeps its own weights.
+- int8, per output channel (group size PER_CHANNEL): absmax scales, `torch._weight_int8pack_mm` (fast only with
+  bfloat16 activations: float32 ones are 10-50x slower on torch 2.13 CPU, so the layer computes in bfloat16).
+- int4: group-wise unsigned 4-bit with a float16 scale and min per group (w = q * scale + min, the GGUF Q4_0/Q4_1
+  block form), the native `inferno::int4_q8_matmul` kernel, whose activations are quantized to int8 per block of
+  32 for integer dot products (as llama.cpp computes Q4 x Q8).
+- The LM head of the int4 and per-channel int8 models: symmetric int8 groups of 32 (Q8_0) through
+  `inferno::int8_q8_matmul`.
 
-PyTorch's two packed kernels run fast only with bfloat16 activations (float32 activations are 10-50x slower on
-torch 2.13 CPU), so those layers compute in bfloat16 and return the caller's dtype.
+Every layer returns the caller's dtype; from a row count per kind (prefill, large batches) the weight is
+dequantized once and a dense GEMM runs instead of the matrix-vector kernels.
 """
 from dataclasses import dataclass
 
@@ -19,19 +22,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferno.config import PER_CHANNEL
-from inferno.kernels import int8_gemv
+from inferno.kernels import quantized_gemv
 
 COMPUTE_DTYPE = torch.bfloat16
 # From this many rows (prefill, large batches), dequantizing the weight once and running the dense bf16 GEMM beats
-# the packed kernels, which are tuned for matrix-vector products (3072x576 weight, 512 rows, one core: 41-45 ms
-# packed against 4 ms int8 / 11 ms int4 dequantize-then-GEMM; the crossover is near 32 rows for int8, 96 for int4).
+# the matrix-vector kernels (3072x576 weight, 512 rows, one core: 41-45 ms `_weight_int8pack_mm` against 4 ms
+# dequantize-then-GEMM; the crossover is near 32 rows). int4: the VNNI kernel against dequantize-then-GEMM, the 4
+# projections of all 30 SmolLM2 layers on 2 cores: 1 row 3.2 ms (torch's int4 kernel 4.8), 4 rows 6.5 (7.6).
 INT8_DEQUANTIZE_FROM_ROWS = 32
 INT4_DEQUANTIZE_FROM_ROWS = 96
+INT4_ROW_MULTIPLE = 64  # the int4 kernel reads blocks of 32 columns in pairs
 # The native group-wise int8 kernel against float32 dequantize-then-GEMM, the 4 projections of one SmolLM2 layer on
 # one core: 1 row 0.27 ms against 1.45 ms, 8 rows 1.2 against 2.4, 16 rows 2.41 against 2.48, 32 rows 5.1 against 3.1.
 INT8_GROUP_DEQUANTIZE_FROM_ROWS = 16
-LM_HEAD_GROUP_SIZE = 32  # group-wise int8 LM head: symmetric groups of 32, the GGUF Q8_0 block (exact for it)
-INT4_PACK_BLOCK_N = 64  # torch's CPU int4 layout: per 64 output rows, byte i holds rows i (low) and i + 32 (high)
+LM_HEAD_GROUP_SIZE = 32  # the int8 LM head: symmetric groups of 32, the GGUF Q8_0 block (exact for it)
+# The int8 x int8 kernel against dequantize-then-bf16-GEMM for the 49152x576 LM head, one core: 1 row 1.3 ms
+# (int8pack_mm 1.7), 64 rows 37 ms against 89, 256 rows 150 against 103.
+Q8_DEQUANTIZE_FROM_ROWS = 160
 
 
 @dataclass(slots=True)
@@ -141,7 +148,7 @@ class Int8GroupLinear(nn.Module):
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("mins", weight.mins.float().contiguous())
         self.register_buffer("bias", bias)
-        self.native = int8_gemv() is not None  # the kernel is built (and its torch.ops registered)
+        self.native = quantized_gemv() is not None  # the kernel is built (and its torch.ops registered)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int) -> "Int8GroupLinear":
@@ -169,51 +176,113 @@ class Int8GroupLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Int4Linear(nn.Module):
-    def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None, in_features: int | None = None):
-        """`weight` may have zero columns appended (up to a multiple of the group size) beyond `in_features`."""
+class Q8Linear(nn.Module):
+    """Symmetric int8 groups of 32 (the GGUF Q8_0 block, exact for it) times activations quantized the same way,
+    as llama.cpp computes: the integer dot products of the native `inferno::int8_q8_matmul` (AVX-512 VNNI) up to
+    Q8_DEQUANTIZE_FROM_ROWS rows, dequantize-then-GEMM in bfloat16 beyond that or without the native kernels.
+    The LM head of the int4 and per-channel int8 models: the largest single weight a decode step reads."""
+
+    def __init__(self, weight: GroupQuantized, in_features: int):
         super().__init__()
-        self.out_features, self.padded_in_features = weight.codes.shape
-        self.in_features = in_features or self.padded_in_features
+        assert weight.group_size == LM_HEAD_GROUP_SIZE
+        self.out_features, self.in_features = weight.codes.shape[0], in_features
+        self.register_buffer("weight", weight.codes.contiguous())  # c + 128, c in [-127, 127]
+        self.register_buffer("scales", weight.scales.float().contiguous())
+        self.native = quantized_gemv() is not None and in_features % LM_HEAD_GROUP_SIZE == 0
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> "Q8Linear":
+        return cls(quantize_groups_symmetric(weight.detach(), LM_HEAD_GROUP_SIZE), weight.shape[1])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`."""
+        n, groups = self.scales.shape
+        codes = self.weight.view(n, groups, LM_HEAD_GROUP_SIZE).to(dtype) - 128  # exact in bfloat16 too
+        return (codes * self.scales.to(dtype).unsqueeze(-1)).view(n, -1)[:, :self.in_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.native and x2.shape[0] < Q8_DEQUANTIZE_FROM_ROWS:
+            y = torch.ops.inferno.int8_q8_matmul(x2.float().contiguous(), self.weight, self.scales)
+        else:
+            y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+
+class Int4Linear(nn.Module):
+    """Group-wise 4-bit weights in the layout of the native `inferno::int4_q8_matmul` (kernels/quantized_gemv.cpp):
+    per output row, the codes of each pair of 32-column blocks share 32 bytes (first block in the low nibbles), then
+    a float16 scale per group, then a float16 min per group; one contiguous stream per row. Decode-sized batches run
+    the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense bfloat16 GEMM on the
+    dequantized weight."""
+
+    def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None, in_features: int | None = None):
+        """`weight` may have columns appended (up to a multiple of the group size) beyond `in_features`; inputs are
+        zero-padded alike, so those columns add nothing."""
+        super().__init__()
+        self.out_features = weight.codes.shape[0]
+        self.in_features = in_features or weight.codes.shape[1]
         self.group_size = weight.group_size
-        self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
-        zeros = weight.mins + 8 * weight.scales
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([weight.scales.t(), zeros.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())
+        weight = pad_columns(weight, max(INT4_ROW_MULTIPLE, self.group_size))
+        self.padded_in_features = weight.codes.shape[1]
+        self.register_buffer("weight", pack_int4(weight))
         self.register_buffer("bias", bias)
+        self.native = quantized_gemv() is not None
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int) -> "Int4Linear":
         w = linear.weight.detach()
-        padded = F.pad(w, (0, -w.shape[1] % group_size))  # inputs are zero-padded alike, so padding adds 0
-        return cls(quantize_int4(padded, group_size), linear.bias, w.shape[1])
+        return cls(quantize_int4(w, group_size), linear.bias, w.shape[1])
 
-    def dequantize(self) -> torch.Tensor:
-        """[N, padded K] bf16 weight unpacked from the packed layout (N a multiple of INT4_PACK_BLOCK_N)."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, padded K] in `dtype` (computed in float32)."""
         n, k = self.out_features, self.padded_in_features
-        blocks = self.weight.view(n // INT4_PACK_BLOCK_N, k, INT4_PACK_BLOCK_N // 2)
-        codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k // self.group_size,
-                                                                                        self.group_size)
-        scales, zeros = self.scales_and_zeros.transpose(0, 1).unsqueeze(-1).unbind(dim=2)
-        return ((codes.to(COMPUTE_DTYPE) - 8) * scales + zeros).view(n, k)
+        groups = k // self.group_size
+        nibbles = self.weight[:, :k // 2].view(n, k // INT4_ROW_MULTIPLE, 1, INT4_ROW_MULTIPLE // 2)
+        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).view(n, groups, self.group_size)
+        halves = self.weight[:, k // 2:].contiguous().view(torch.float16).float()  # [N, 2 * groups]
+        scales, mins = halves[:, :groups].unsqueeze(-1), halves[:, groups:].unsqueeze(-1)
+        return torch.addcmul(mins, codes.float(), scales).view(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
+        x2 = x.reshape(-1, shape[-1])
         if self.padded_in_features != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
-        if x2.shape[0] >= INT4_DEQUANTIZE_FROM_ROWS and self.out_features % INT4_PACK_BLOCK_N == 0:
-            y = F.linear(x2, self.dequantize())
+        if self.native and x2.shape[0] < INT4_DEQUANTIZE_FROM_ROWS:
+            y = torch.ops.inferno.int4_q8_matmul(x2.float().contiguous(), self.weight, self.group_size)
         else:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_and_zeros)
+            y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
         y = y.view(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
+def pad_columns(weight: GroupQuantized, multiple: int) -> GroupQuantized:
+    """Whole groups of zero weights (codes, scales and mins 0) appended up to a multiple of `multiple` columns."""
+    n, k = weight.codes.shape
+    missing = -k % multiple
+    if not missing:
+        return weight
+    return GroupQuantized(F.pad(weight.codes, (0, missing)), F.pad(weight.scales, (0, missing // weight.group_size)),
+                          F.pad(weight.mins, (0, missing // weight.group_size)))
+
+
+def pack_int4(weight: GroupQuantized) -> torch.Tensor:
+    """4-bit codes [N, K] (K a multiple of 64), scales and mins [N, groups] -> the int4 kernel's rows, uint8
+    [N, K / 2 + 4 * groups]: byte i of pair p holds code i of block 2p (low nibble) and of block 2p + 1 (high)."""
+    n, k = weight.codes.shape
+    pairs = weight.codes.view(n, k // INT4_ROW_MULTIPLE, 2, INT4_ROW_MULTIPLE // 2)
+    nibbles = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+    halves = torch.cat([weight.scales, weight.mins], dim=1).to(torch.float16).view(torch.uint8)
+    return torch.cat([nibbles, halves], dim=1).contiguous()
+
+
 def quantize_linears(model: nn.Module, method: str, group_size: int,
                      prequantized: dict[str, GroupQuantized] | None = None) -> None:
-    """Swap every projection of the decoder layers for its quantized form, and the LM head for int8: group-wise
-    (symmetric groups of LM_HEAD_GROUP_SIZE) with group-wise int8, per output channel otherwise.
+    """Swap every projection of the decoder layers for its quantized form, and the LM head for symmetric int8
+    groups of LM_HEAD_GROUP_SIZE: with float32 activations in the (exact) group-wise int8 model, with activations
+    quantized to int8 (Q8Linear) in the int4 and per-channel int8 models.
 
     `method` "int8" with `group_size` PER_CHANNEL is the per-channel form. `prequantized` maps a layer's name to
     4-bit codes read straight from the checkpoint (GGUF Q4_0/Q4_1 with blocks of `group_size`); those are packed
@@ -228,7 +297,7 @@ def quantize_linears(model: nn.Module, method: str, group_size: int,
             quantized = Int8GroupLinear(quantize_groups_symmetric(module.weight.detach(), LM_HEAD_GROUP_SIZE), None,
                                         module.weight.shape[1])
         elif name == "lm_head":
-            quantized = Int8Linear(*quantize_int8(module.weight.detach()), None)
+            quantized = Q8Linear.from_float(module.weight)
         elif not isinstance(module, nn.Linear):
             continue
         elif grouped_int8 and name in prequantized:

@@ -1,0 +1,444 @@
+// Matrix products with quantized weights on the CPU, for the few rows of a decode step. Registered as operators
+// of the `inferno` namespace (a fragment) so that eager calls go through the dispatcher and `torch.compile` can
+// place them in a graph.
+//
+// 1. `int8_group_matmul`: group-wise int8 weights times float32 activations,
+//    y[M, N] = x[M, K] @ W[N, K]^T with W[n, k] = codes[n, k] * scales[n, g] + mins[n, g], g = k / group_size.
+//    Per output row and group, sum_i W_i x_i = scale * (sum_i q_i x_i) + min * (sum_i x_i): the codes are
+//    converted to float once and multiplied with up to ROW_BLOCK rows of x; the per-group sums of x are
+//    computed once per call. The codes [N, K] stream contiguously, one output row after another; threads split N.
+// 2. `int8_q8_matmul` and `int4_q8_matmul`: int8 / int4 weights times activations quantized to int8 per block of
+//    32 (absmax), integer dot products with AVX-512 VNNI as llama.cpp computes them (see each below).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;  // one AVX-512 register of float32 (two AVX2 registers)
+constexpr int64_t ROW_BLOCK = 4;  // rows of x sharing one conversion of the codes
+typedef float floatx16 __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t intx16 __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint8_t bytex16 __attribute__((vector_size(LANES)));
+
+inline floatx16 load_codes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (floatx16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else  // GCC 12 widens bytes lane by lane here; AVX-512 has one instruction for it
+  bytex16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return __builtin_convertvector(__builtin_convertvector(v, intx16), floatx16);
+#endif
+}
+
+inline floatx16 load_floats(const float* p) {
+  floatx16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float sum_lanes(floatx16 v) {
+  float s = 0.f;
+  for (int64_t i = 0; i < LANES; ++i) s += v[i];
+  return s;
+}
+
+// sum_i q_i x[r, i] over one group [begin, end) of one output row, for R rows of x; GROUP > 0: a whole group of
+// that many columns known at compile time (fully unrolled), 0: `end - begin` columns with a scalar tail.
+template <int64_t R, int64_t GROUP>
+inline void group_dots(const float* x, int64_t ldx, const uint8_t* codes, int64_t begin, int64_t end,
+                       floatx16 (&vec)[R], float (&tail)[R]) {
+  const int64_t full_end = GROUP > 0 ? begin + GROUP : begin + (end - begin) / LANES * LANES;
+#pragma GCC unroll 8
+  for (int64_t i = begin; i < full_end; i += LANES) {
+    const floatx16 w = load_codes(codes + i);
+    for (int64_t r = 0; r < R; ++r) vec[r] += w * load_floats(x + r * ldx + i);
+  }
+  if (GROUP == 0)
+    for (int64_t i = full_end; i < end; ++i)
+      for (int64_t r = 0; r < R; ++r) tail[r] += static_cast<float>(codes[i]) * x[r * ldx + i];
+}
+
+// y[r * ldy] = x[r] . W[n] for R rows of x and one output row n (codes, scales, mins: that row's).
+template <int64_t R, int64_t GROUP>
+inline void dot_rows(const float* x, int64_t ldx, const float* x_sums, int64_t groups, const uint8_t* codes,
+                     const float* scales, const float* mins, int64_t k, int64_t group_size, float* y, int64_t ldy) {
+  floatx16 acc[R] = {};
+  float rest[R] = {};  // min terms and the scalar tail of a last, partial group
+  const int64_t whole_groups = k / group_size;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t begin = g * group_size;
+    floatx16 vec[R] = {};
+    float tail[R] = {};
+    if (GROUP > 0 && g < whole_groups)
+      group_dots<R, GROUP>(x, ldx, codes, begin, begin + GROUP, vec, tail);
+    else
+      group_dots<R, 0>(x, ldx, codes, begin, std::min(begin + group_size, k), vec, tail);
+    const float scale = scales[g], min = mins[g];
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r] += scale * vec[r];
+      rest[r] += scale * tail[r] + min * x_sums[r * groups + g];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) y[r * ldy] = sum_lanes(acc[r]) + rest[r];
+}
+
+// All M rows of x against output rows [begin, end) of W.
+template <int64_t GROUP>
+void matmul_rows(const float* x, const float* x_sums, const uint8_t* codes, const float* scales, const float* mins,
+                 float* y, int64_t m, int64_t n, int64_t k, int64_t group_size, int64_t groups, int64_t begin,
+                 int64_t end) {
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* c = codes + j * k;
+    const float *s = scales + j * groups, *mn = mins + j * groups;
+    int64_t r = 0;
+    for (; r + ROW_BLOCK <= m; r += ROW_BLOCK)
+      dot_rows<ROW_BLOCK, GROUP>(x + r * k, k, x_sums + r * groups, groups, c, s, mn, k, group_size, y + r * n + j, n);
+    const float* xr = x + r * k;
+    const float* sr = x_sums + r * groups;
+    switch (m - r) {
+      case 3: dot_rows<3, GROUP>(xr, k, sr, groups, c, s, mn, k, group_size, y + r * n + j, n); break;
+      case 2: dot_rows<2, GROUP>(xr, k, sr, groups, c, s, mn, k, group_size, y + r * n + j, n); break;
+      case 1: dot_rows<1, GROUP>(xr, k, sr, groups, c, s, mn, k, group_size, y + r * n + j, n); break;
+      default: break;
+    }
+  }
+}
+
+void check_weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size) {
+  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && mins.dim() == 2, "codes, scales and mins must be 2-D");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat,
+              "scales and mins must be float32 and codes uint8");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
+              "codes, scales and mins must be contiguous");
+  TORCH_CHECK(group_size > 0, "group_size must be positive, got ", group_size);
+  const int64_t n = codes.size(0), k = codes.size(1), groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups && mins.sizes() == scales.sizes(),
+              "scales and mins must be [", n, ", ", groups, "] for ", k, " columns in groups of ", group_size);
+}
+
+// x [M, K] float32; codes [N, K] uint8; scales, mins [N, ceil(K / group_size)] float32 -> [M, N] float32
+at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& mins, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  check_weight(codes, scales, mins, group_size);
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), groups = scales.size(1);
+  TORCH_CHECK(codes.size(1) == k, "x has ", k, " columns but codes have ", codes.size(1));
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> x_sums(m * groups, 0.f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; ++i) x_sums[r * groups + i / group_size] += xp[r * k + i];
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float *sp = scales.data_ptr<float>(), *mp = mins.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    const auto run = group_size == 32 ? matmul_rows<32> : group_size == 64 ? matmul_rows<64>
+                   : group_size == 128 ? matmul_rows<128> : matmul_rows<0>;
+    run(xp, x_sums.data(), cp, sp, mp, yp, m, n, k, group_size, groups, begin, end);
+  });
+  return y;
+}
+
+// codes [N, K] uint8; scales, mins [N, ceil(K / group_size)] float32 -> W [N, K] float32 (for a dense GEMM)
+at::Tensor int8_group_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                                 int64_t group_size) {
+  check_weight(codes, scales, mins, group_size);
+  const int64_t n = codes.size(0), k = codes.size(1), groups = scales.size(1);
+  auto w = at::empty({n, k}, scales.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float *sp = scales.data_ptr<float>(), *mp = mins.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = j * k + g * group_size, last = j * k + std::min((g + 1) * group_size, k);
+        const float scale = sp[j * groups + g], min = mp[j * groups + g];
+#pragma omp simd
+        for (int64_t i = first; i < last; ++i) wp[i] = static_cast<float>(cp[i]) * scale + min;
+      }
+  });
+  return w;
+}
+
+// ---- weights times activations quantized to int8 per block of 32 ----
+// The rows of x are quantized like a GGUF Q8_0 / Q8_1 block: x ~ xq * xs per block of 32 (absmax / 127), with the
+// sum of the block's codes (exact, an integer) and of its values (float). With AVX-512 VNNI one instruction
+// multiplies 64 unsigned weight codes by 64 signed activation codes and adds them, 4 by 4, into 16 int32 lanes:
+// lanes 0-7 hold one block, 8-15 the next. A weight offset c0 (codes c + c0 stored unsigned) is taken out of the
+// integer sums before any rounding: its -c0 * sum xq is spread over the block's 8 lanes and loaded as the
+// accumulator's start, so no large terms cancel in floating point.
+constexpr int64_t X_BLOCK = 32;
+
+struct QuantizedRows {  // the rows of x, quantized per block of 32
+  std::vector<int8_t> codes;     // [M, K]
+  std::vector<float> scales;     // [M, K / 32]
+  std::vector<int32_t> code_sums;  // [M, K / 32]
+  std::vector<float> sums;       // [M, K / 32]: of the float values
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+  const int64_t blocks = m * k / X_BLOCK;
+  QuantizedRows q{std::vector<int8_t>(m * k), std::vector<float>(blocks), std::vector<int32_t>(blocks),
+                  std::vector<float>(blocks)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * X_BLOCK;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < X_BLOCK; ++i) {
+      amax = std::max(amax, std::abs(xb[i]));
+      sum += xb[i];
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t code_sum = 0;
+    for (int64_t i = 0; i < X_BLOCK; ++i) {
+      const int8_t c = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+      q.codes[b * X_BLOCK + i] = c;
+      code_sum += c;
+    }
+    q.scales[b] = amax / 127.f;
+    q.code_sums[b] = code_sum;
+    q.sums[b] = sum;
+  }
+  return q;
+}
+
+// The int4 layout: per output row, K / 64 pairs of blocks of 32 codes in 32 bytes (byte i: code i of the first
+// block in the low nibble, of the second in the high nibble), then one float16 scale d per group, then one float16
+// min per group (w = code * d + min, the GGUF Q4_1 form). A row is one contiguous stream.
+inline int64_t int4_row_bytes(int64_t k, int64_t group_size) { return k / 2 + 4 * (k / group_size); }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t PREFETCH_ROWS = 6;  // int4 rows (~2 KB) ahead: cold weights stream at twice the speed with it
+
+struct PairVectors {  // per row of x and pair of blocks: the accumulator start and xs, 8 lanes per block
+  std::vector<__m512i> starts;
+  std::vector<__m512> scales;
+};
+
+PairVectors pair_vectors(const QuantizedRows& q, int64_t m, int64_t k, int32_t weight_offset) {
+  const int64_t blocks = k / X_BLOCK, pairs = (blocks + 1) / 2;
+  PairVectors v{std::vector<__m512i>(m * pairs), std::vector<__m512>(m * pairs)};
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t b = r * blocks + 2 * p;
+      const bool second = 2 * p + 1 < blocks;  // else a last, single block in the low lanes
+      const int32_t per_lane = weight_offset / 8;
+      v.starts[r * pairs + p] = _mm512_inserti32x8(_mm512_set1_epi32(-per_lane * q.code_sums[b]),
+                                                   _mm256_set1_epi32(second ? -per_lane * q.code_sums[b + 1] : 0), 1);
+      v.scales[r * pairs + p] = _mm512_insertf32x8(_mm512_set1_ps(q.scales[b]),
+                                                   _mm256_set1_ps(second ? q.scales[b + 1] : 0.f), 1);
+    }
+  return v;
+}
+
+// int8: output rows [begin, end) for R rows of x
+template <int64_t R>
+void q8_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, const uint8_t* codes,
+             const float* scales, float* y, int64_t n, int64_t k, int64_t begin, int64_t end) {
+  const int64_t blocks = k / X_BLOCK, pairs = (blocks + 1) / 2;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* c = codes + j * k;
+    const float* s = scales + j * blocks;
+    __m512 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const bool whole = 2 * p + 1 < blocks;
+      const __mmask64 bytes = whole ? ~__mmask64{0} : __mmask64{0xFFFFFFFF};
+      const __m512i w = _mm512_maskz_loadu_epi8(bytes, c + p * 2 * X_BLOCK);
+      const __m512 w_scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * p]), _mm256_set1_ps(whole ? s[2 * p + 1] : 0.f), 1);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512i x = _mm512_maskz_loadu_epi8(bytes, xq + r * k + p * 2 * X_BLOCK);
+        const __m512i dot = _mm512_dpbusd_epi32(starts[r * pairs + p], w, x);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, x_scales[r * pairs + p]), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+void q8_matmul(const QuantizedRows& q, const uint8_t* codes, const float* scales, float* y, int64_t m, int64_t n,
+               int64_t k) {
+  const int64_t pairs = (k / X_BLOCK + 1) / 2;
+  const PairVectors v = pair_vectors(q, m, k, 128);
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    int64_t r = 0;
+    for (; r + ROW_BLOCK <= m; r += ROW_BLOCK)
+      q8_rows<ROW_BLOCK>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs, codes,
+                         scales, y + r * n, n, k, begin, end);
+    for (; r < m; ++r)
+      q8_rows<1>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs, codes, scales,
+                 y + r * n, n, k, begin, end);
+  });
+}
+
+// int4: output rows [begin, end) for R rows of x. Per chunk of 16 blocks (512 columns) the row's scales and mins
+// of those columns' groups are converted at once; each pair of blocks then picks its two scales by a permutation.
+//   sum_k w x = sum_b d_g(b) * xs_b * (sum (c - 8) xq) + sum_g (min_g + 8 d_g) * sum_{k in g} x
+template <int64_t R>
+void int4_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, const float* x_group_sums,
+               const __m512i* pick, const uint8_t* packed, float* y, int64_t n, int64_t k, int64_t group_size,
+               int64_t begin, int64_t end) {
+  const int64_t blocks = k / X_BLOCK, pairs = blocks / 2, groups = k / group_size, per_group = group_size / X_BLOCK;
+  const int64_t row_bytes = int4_row_bytes(k, group_size);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = packed + j * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_ROWS * row_bytes + b), _MM_HINT_T0);
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(row + k / 2);
+    const uint16_t* mins = d + groups;
+    __m512 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < blocks; c0 += 16) {
+      const int64_t chunk_blocks = std::min<int64_t>(16, blocks - c0), g0 = c0 / per_group;
+      const __mmask16 live = static_cast<__mmask16>((1u << (chunk_blocks / per_group)) - 1);  // the chunk's groups
+      const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + g0));
+      const __m512 zero_point = _mm512_fmadd_ps(_mm512_set1_ps(8.f), dv,
+                                                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g0)));
+      for (int64_t r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(zero_point, _mm512_maskz_loadu_ps(live, x_group_sums + r * groups + g0), acc[r]);
+      for (int64_t p = 0; p < chunk_blocks / 2; ++p) {
+        const int64_t pair = c0 / 2 + p;
+        const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + pair * 32)));
+        const __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low4);
+        const __m512 w_scale = _mm512_permutexvar_ps(pick[p], dv);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512i x = _mm512_loadu_si512(xq + r * k + pair * 2 * X_BLOCK);
+          const __m512i dot = _mm512_dpbusd_epi32(starts[r * pairs + pair], w, x);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, x_scales[r * pairs + pair]), acc[r]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
+                 int64_t group_size) {
+  const int64_t pairs = k / X_BLOCK / 2, groups = k / group_size, per_group = group_size / X_BLOCK;
+  const PairVectors v = pair_vectors(q, m, k, 8);
+  std::vector<float> group_sums(m * groups, 0.f);
+  for (int64_t b = 0; b < m * k / X_BLOCK; ++b) group_sums[b / per_group] += q.sums[b];
+  __m512i pick[8];  // pair p of a chunk: the scale of its blocks' groups, relative to the chunk's first group
+  for (int64_t p = 0; p < 8; ++p)
+    pick[p] = _mm512_inserti32x8(_mm512_set1_epi32(2 * p / per_group), _mm256_set1_epi32((2 * p + 1) / per_group), 1);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    int64_t r = 0;
+    for (; r + ROW_BLOCK <= m; r += ROW_BLOCK)
+      int4_rows<ROW_BLOCK>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs,
+                           group_sums.data() + r * groups, pick, packed, y + r * n, n, k, group_size, begin, end);
+    for (; r < m; ++r)
+      int4_rows<1>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs,
+                   group_sums.data() + r * groups, pick, packed, y + r * n, n, k, group_size, begin, end);
+  });
+}
+#else  // the same sums, left to the compiler
+void q8_matmul(const QuantizedRows& q, const uint8_t* codes, const float* scales, float* y, int64_t m, int64_t n,
+               int64_t k) {
+  const int64_t blocks = k / X_BLOCK;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t r = 0; r < m; ++r) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          int32_t dot = -128 * q.code_sums[r * blocks + b];
+          const uint8_t* c = codes + j * k + b * X_BLOCK;
+          const int8_t* x = q.codes.data() + r * k + b * X_BLOCK;
+          for (int64_t i = 0; i < X_BLOCK; ++i) dot += int32_t{c[i]} * int32_t{x[i]};
+          acc += static_cast<float>(dot) * scales[j * blocks + b] * q.scales[r * blocks + b];
+        }
+        y[r * n + j] = acc;
+      }
+  });
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
+                 int64_t group_size) {
+  const int64_t blocks = k / X_BLOCK, groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* row = packed + j * row_bytes;
+      for (int64_t r = 0; r < m; ++r) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* pair = row + b / 2 * 32;
+          const int8_t* x = q.codes.data() + r * k + b * X_BLOCK;
+          int32_t dot = -8 * q.code_sums[r * blocks + b];  // (c - 8) inside the loop: GCC 12 turns it into a wrong
+          for (int64_t i = 0; i < X_BLOCK; ++i) {          // unsigned x signed dot product with AVX-VNNI
+            const int32_t code = b % 2 ? pair[i] >> 4 : pair[i] & 0x0F;
+            dot += code * int32_t{x[i]};
+          }
+          const int64_t g = b * X_BLOCK / group_size;
+          const float d = half_at(row + k / 2 + 2 * g), min = half_at(row + k / 2 + 2 * (groups + g));
+          acc += static_cast<float>(dot) * d * q.scales[r * blocks + b] + (min + 8 * d) * q.sums[r * blocks + b];
+        }
+        y[r * n + j] = acc;
+      }
+    }
+  });
+}
+#endif
+
+// x [M, K] float32; codes [N, K] uint8 (c + 128); scales [N, K / 32] float32 -> [M, N] float32
+at::Tensor int8_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be 2-D, uint8, contiguous");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(codes.size(1) == k && k % X_BLOCK == 0, "x and codes need the same columns, a multiple of 32; got ",
+              k, " and ", codes.size(1));
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == n && scales.size(1) == k / X_BLOCK, "scales must be float32 [", n, ", ", k / X_BLOCK, "]");
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  q8_matmul(quantize_rows(x.data_ptr<float>(), m, k), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+            y.data_ptr<float>(), m, n, k);
+  return y;
+}
+
+// x [M, K] float32, K a multiple of 64 and of group_size (32, 64 or 128); packed [N, int4_row_bytes] uint8 (the
+// int4 layout above) -> [M, N] float32
+at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, "group_size must be 32, 64 or 128, got ",
+              group_size);
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(k % 64 == 0 && k % group_size == 0, "x needs a multiple of 64 and of group_size columns, got ", k);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == int4_row_bytes(k, group_size),
+              "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  int4_matmul(quantize_rows(x.data_ptr<float>(), m, k), packed.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k,
+              group_size);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferno, m) {
+  m.def("int8_group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
+  m.def("int8_group_dequantize(Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
+  m.def("int8_q8_matmul(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("int4_q8_matmul(Tensor x, Tensor packed, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(inferno, CPU, m) {
+  m.impl("int8_group_matmul", &int8_group_matmul);
+  m.impl("int8_group_dequantize", &int8_group_dequantize);
+  m.impl("int8_q8_matmul", &int8_q8_matmul);
+  m.impl("int4_q8_matmul", &int4_q8_matmul);
+}
