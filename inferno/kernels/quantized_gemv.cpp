@@ -215,7 +215,9 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
 inline int64_t int4_row_bytes(int64_t k, int64_t group_size) { return k / 2 + 4 * (k / group_size); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int64_t PREFETCH_ROWS = 6;  // int4 rows (~2 KB) ahead: cold weights stream at twice the speed with it
+// Weights are read once per step, so they come from memory: the kernels prefetch about 2 KB ahead of the row they
+// work on (cold int4 weights stream about twice as fast with it).
+constexpr int64_t PREFETCH_BYTES = 2048;
 
 struct PairVectors {  // per row of x and pair of blocks: the accumulator start and xs, 8 lanes per block
   std::vector<__m512i> starts;
@@ -246,6 +248,8 @@ void q8_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, co
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* c = codes + j * k;
     const float* s = scales + j * blocks;
+    for (int64_t b = 0; b < k; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + PREFETCH_BYTES + b), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(s + PREFETCH_BYTES / X_BLOCK), _MM_HINT_T0);
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
@@ -291,7 +295,7 @@ void int4_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, 
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = packed + j * row_bytes;
     for (int64_t b = 0; b < row_bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_ROWS * row_bytes + b), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + b), _MM_HINT_T0);
     const uint16_t* d = reinterpret_cast<const uint16_t*>(row + k / 2);
     const uint16_t* mins = d + groups;
     __m512 acc[R];
