@@ -226,6 +226,23 @@ def test_int4_kernel_matches_the_sums_it_promises(m, n, k, group_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_native_bfloat16_dequantizers_match_the_torch_ones(group_size):
+    """int4: bit for bit (both compute in float32 and round once); the LM head's Q8_0 groups: torch rounds the scale
+    to bfloat16 first, the kernel does not, so they differ by a bfloat16 rounding at most."""
+    int4 = Int4Linear(quantize_int4(torch.randn(70, 640), group_size), None)
+    native = int4.dequantize(torch.bfloat16)
+    int4.native = False
+    assert native.dtype == torch.bfloat16 and torch.equal(native, int4.dequantize(torch.bfloat16))
+    head = Q8Linear.from_float(torch.randn(70, 640))
+    native = head.dequantize(torch.bfloat16)
+    exact = head.dequantize(torch.float32)
+    assert native.dtype == torch.bfloat16 and torch.equal(native, exact.bfloat16())
+    head.native = False
+    torch.testing.assert_close(head.dequantize(torch.bfloat16).float(), exact, rtol=2 ** -7, atol=0)
+
+
+@needs_kernel
 def test_int4_kernel_rejects_bad_inputs():
     layer = Int4Linear(quantize_int4(torch.randn(16, 128), 32), None)
     kernel = quantized_gemv().int4_q8_matmul

@@ -43,8 +43,9 @@ def paged_attention():
 @functools.cache
 def quantized_gemv():
     """The `torch.ops.inferno` namespace holding `int8_group_matmul` (float32 rows times group-wise int8 weights),
-    `int8_group_dequantize`, and `int8_q8_matmul` / `int4_q8_matmul` (rows quantized to int8 times symmetric int8
-    groups of 32 / group-wise int4; see quantized_gemv.cpp), or None when they cannot be built."""
+    `int8_group_dequantize`, `int8_q8_matmul` / `int4_q8_matmul` (rows quantized to int8 times symmetric int8
+    groups of 32 / group-wise int4) and their bfloat16 dequantizers `int8_q8_dequantize` / `int4_dequantize` (see
+    quantized_gemv.cpp), or None when they cannot be built."""
     if not _build("inferno_quantized_gemv", "quantized_gemv.cpp", "using dequantize + F.linear",
                   ("-ffp-contract=fast",)):
         return None
@@ -64,5 +65,13 @@ def quantized_gemv():
     @torch.library.register_fake("inferno::int4_q8_matmul")
     def _(x, packed, group_size):
         return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("inferno::int4_dequantize")
+    def _(packed, k, group_size):
+        return packed.new_empty(packed.shape[0], k, dtype=torch.bfloat16)
+
+    @torch.library.register_fake("inferno::int8_q8_dequantize")
+    def _(codes, scales):
+        return codes.new_empty(codes.shape, dtype=torch.bfloat16)
 
     return torch.ops.inferno

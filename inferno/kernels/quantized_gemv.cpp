@@ -396,6 +396,65 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
 }
 #endif
 
+// ---- dequantization to bfloat16, for the dense GEMM of prefill and large batches ----
+inline uint16_t to_bfloat16(float x) {  // round to nearest even (weights are finite)
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// packed [N, int4_row_bytes] uint8 -> W [N, K] bfloat16, w = code * d + min computed in float32
+at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size) {
+  TORCH_CHECK(k % 64 == 0 && k % group_size == 0, "k must be a multiple of 64 and of group_size, got ", k);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == int4_row_bytes(k, group_size),
+              "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
+  const int64_t n = packed.size(0), groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
+  auto w = at::empty({n, k}, packed.options().dtype(at::kBFloat16));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> d(groups), mins(groups);
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* row = pp + j * row_bytes;
+      const at::Half* halves = reinterpret_cast<const at::Half*>(row + k / 2);
+      for (int64_t g = 0; g < groups; ++g) {
+        d[g] = static_cast<float>(halves[g]);
+        mins[g] = static_cast<float>(halves[groups + g]);
+      }
+      uint16_t* out = wp + j * k;
+      for (int64_t p = 0; p < k / 64; ++p) {
+        const uint8_t* bytes = row + p * 32;
+        const int64_t g0 = 2 * p * X_BLOCK / group_size, g1 = (2 * p + 1) * X_BLOCK / group_size;
+        for (int64_t i = 0; i < X_BLOCK; ++i) {
+          out[2 * p * X_BLOCK + i] = to_bfloat16(static_cast<float>(bytes[i] & 0x0F) * d[g0] + mins[g0]);
+          out[(2 * p + 1) * X_BLOCK + i] = to_bfloat16(static_cast<float>(bytes[i] >> 4) * d[g1] + mins[g1]);
+        }
+      }
+    }
+  });
+  return w;
+}
+
+// codes [N, K] uint8 (c + 128); scales [N, K / 32] float32 -> W [N, K] bfloat16
+at::Tensor int8_q8_dequantize(const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+              codes.size(1) % X_BLOCK == 0, "codes must be 2-D, uint8, contiguous, a multiple of 32 columns");
+  const int64_t n = codes.size(0), k = codes.size(1), blocks = k / X_BLOCK;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == n && scales.size(1) == blocks, "scales must be float32 [", n, ", ", blocks, "]");
+  auto w = at::empty({n, k}, codes.options().dtype(at::kBFloat16));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t i = 0; i < X_BLOCK; ++i)
+        wp[b * X_BLOCK + i] = to_bfloat16(static_cast<float>(static_cast<int32_t>(cp[b * X_BLOCK + i]) - 128) * sp[b]);
+  });
+  return w;
+}
+
 // x [M, K] float32; codes [N, K] uint8 (c + 128); scales [N, K / 32] float32 -> [M, N] float32
 at::Tensor int8_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
@@ -438,6 +497,8 @@ TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("int8_group_dequantize(Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
   m.def("int8_q8_matmul(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int4_q8_matmul(Tensor x, Tensor packed, int group_size) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, int k, int group_size) -> Tensor");
+  m.def("int8_q8_dequantize(Tensor codes, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
@@ -445,4 +506,6 @@ TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("int8_group_dequantize", &int8_group_dequantize);
   m.impl("int8_q8_matmul", &int8_q8_matmul);
   m.impl("int4_q8_matmul", &int4_q8_matmul);
+  m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int8_q8_dequantize", &int8_q8_dequantize);
 }

@@ -196,6 +196,8 @@ class Q8Linear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`."""
+        if self.native and dtype == torch.bfloat16:
+            return torch.ops.inferno.int8_q8_dequantize(self.weight, self.scales)
         n, groups = self.scales.shape
         codes = self.weight.view(n, groups, LM_HEAD_GROUP_SIZE).to(dtype) - 128  # exact in bfloat16 too
         return (codes * self.scales.to(dtype).unsqueeze(-1)).view(n, -1)[:, :self.in_features]
@@ -238,6 +240,8 @@ class Int4Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, padded K] in `dtype` (computed in float32)."""
         n, k = self.out_features, self.padded_in_features
+        if self.native and dtype == torch.bfloat16:
+            return torch.ops.inferno.int4_dequantize(self.weight, k, self.group_size)
         groups = k // self.group_size
         nibbles = self.weight[:, :k // 2].view(n, k // INT4_ROW_MULTIPLE, 1, INT4_ROW_MULTIPLE // 2)
         codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).view(n, groups, self.group_size)
