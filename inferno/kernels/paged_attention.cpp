@@ -58,6 +58,13 @@ inline floatx16 load16(const c10::Half* p) {
 
 inline void store16(float* p, floatx16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Cache rows are scattered over the pool block by block: fetch the next keys (and each key's value) ahead.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t head_dim) {
+  for (int64_t i = 0; i < head_dim * static_cast<int64_t>(sizeof(T)); i += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
+}
+
 inline floatx16 splat(float x) { return floatx16{} + x; }
 
 inline float max_lanes(floatx16 v) {
@@ -116,6 +123,24 @@ struct Scratch {  // per thread, reused across work items
   std::vector<int64_t> rows;   // the cache offset of every key of the split (the same in K and V)
 };
 
+// acc[h] = sum_t scores[h, t] v_t for HEADS query heads, the sums held in registers (HEADS * CHUNKS <= 16)
+template <typename T, int64_t CHUNKS, int64_t HEADS>
+void weigh_values(const T* v_cache, const int64_t* rows, int64_t len, const float* scores, int64_t padded,
+                  float* acc) {
+  floatx16 sum[HEADS][CHUNKS] = {};
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v_row = v_cache + rows[t];
+    floatx16 v[CHUNKS];
+    for (int64_t c = 0; c < CHUNKS; ++c) v[c] = load16(v_row + c * LANES);
+    for (int64_t h = 0; h < HEADS; ++h) {
+      const float p = scores[h * padded + t];
+      for (int64_t c = 0; c < CHUNKS; ++c) sum[h][c] += p * v[c];
+    }
+  }
+  for (int64_t h = 0; h < HEADS; ++h)
+    for (int64_t c = 0; c < CHUNKS; ++c) store16(acc + (h * CHUNKS + c) * LANES, sum[h][c]);
+}
+
 // CHUNKS: head_dim / 16 when known at compile time (the common 64 and 128), else 0
 template <typename T, int64_t CHUNKS>
 void attend_split(const float* query, const T* k_cache, const T* v_cache, const int64_t* table, int64_t h,
@@ -124,8 +149,11 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
   const int64_t len = end - begin, padded = (len + LANES - 1) / LANES * LANES;
   const int64_t chunks = CHUNKS > 0 ? CHUNKS : head_dim / LANES;
   scratch.rows.resize(len);
-  for (int64_t t = begin; t < end; ++t)
-    scratch.rows[t - begin] = ((h * num_blocks + table[t / block_size]) * block_size + t % block_size) * head_dim;
+  for (int64_t t = begin; t < end;) {  // one division per block, not per key
+    const int64_t block = t / block_size, stop = std::min(end, (block + 1) * block_size);
+    const int64_t base = (h * num_blocks + table[block]) * block_size - block * block_size;
+    for (; t < stop; ++t) scratch.rows[t - begin] = (base + t) * head_dim;
+  }
   scratch.dots.resize(group * LANES);
   scratch.scores.resize(group * padded);
   float* scores = scratch.scores.data();
@@ -139,6 +167,8 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
         continue;
       }
       const T* k_row = k_cache + scratch.rows[tile + j];
+      prefetch_row(v_cache + scratch.rows[tile + j], head_dim);  // for the weighted sum below
+      if (tile + LANES + j < len) prefetch_row(k_cache + scratch.rows[tile + LANES + j], head_dim);
       floatx16 k[kMaxHeadChunks];
       for (int64_t c = 0; c < chunks; ++c) k[c] = load16(k_row + c * LANES);
       for (int64_t g = 0; g < group; ++g) {
@@ -179,6 +209,16 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
 
   // acc_g = sum_t p[g, t] v_t
   float* acc = out.acc.data();
+  if constexpr (CHUNKS > 0) {  // query heads in tiles whose sums fit in registers; each V row converted per tile
+    constexpr int64_t tile = 16 / CHUNKS;
+    for (int64_t g0 = 0; g0 < group; g0 += tile) {
+      const int64_t heads = std::min(tile, group - g0);
+      const auto weigh = heads >= 4 ? weigh_values<T, CHUNKS, tile> : heads == 3 ? weigh_values<T, CHUNKS, 3>
+                       : heads == 2 ? weigh_values<T, CHUNKS, 2> : weigh_values<T, CHUNKS, 1>;
+      weigh(v_cache, scratch.rows.data(), len, scores + g0 * padded, padded, acc + g0 * head_dim);
+    }
+    return;
+  }
   for (int64_t t = 0; t < len; ++t) {
     const T* v_row = v_cache + scratch.rows[t];
     floatx16 v[kMaxHeadChunks];
@@ -204,16 +244,18 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const int64_t max_splits = std::max<int64_t>(1, (max_len + block_size - 1) / block_size / min_blocks);
   const int64_t splits = std::clamp<int64_t>(wanted, 1, max_splits);
   const int64_t split_blocks = ((max_len + block_size - 1) / block_size + splits - 1) / splits;
-  std::vector<Partial> partials(batch * num_kv_heads * splits);
 
+  // With one split per sequence the partial result is final: normalised and written out at once.
+  std::vector<Partial> partials(splits > 1 ? batch * num_kv_heads * splits : 0);
   at::parallel_for(0, batch * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim);
     Scratch scratch;
+    Partial whole;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (num_kv_heads * splits), h = item / splits % num_kv_heads, s = item % splits;
       const int64_t first = std::min(s * split_blocks * block_size, seq_lens[b]);
       const int64_t last = std::min(first + split_blocks * block_size, seq_lens[b]);
-      Partial& part = partials[item];
+      Partial& part = splits > 1 ? partials[item] : whole;
       if (first == last) {  // a short sequence in a batch split for a longer one
         part.max.assign(group, kNegInf);
         continue;
@@ -224,8 +266,14 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
                         : attend_split<T, 0>;
       attend(query.data(), k_cache, v_cache, block_tables + b * table_width, h, first, last, group, num_blocks,
              block_size, head_dim, scratch, part);
+      if (splits == 1)
+        for (int64_t g = 0; g < group; ++g) {
+          T* out_row = out + (b * num_heads + h * group + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) out_row[d] = static_cast<T>(part.acc[g * head_dim + d] / part.denom[g]);
+        }
     }
   });
+  if (splits == 1) return;
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(head_dim);
