@@ -213,7 +213,7 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
     constexpr int64_t tile = 16 / CHUNKS;
     for (int64_t g0 = 0; g0 < group; g0 += tile) {
       const int64_t heads = std::min(tile, group - g0);
-      const auto weigh = heads >= 4 ? weigh_values<T, CHUNKS, tile> : heads == 3 ? weigh_values<T, CHUNKS, 3>
+      const auto weigh = heads == tile ? weigh_values<T, CHUNKS, tile> : heads == 3 ? weigh_values<T, CHUNKS, 3>
                        : heads == 2 ? weigh_values<T, CHUNKS, 2> : weigh_values<T, CHUNKS, 1>;
       weigh(v_cache, scratch.rows.data(), len, scores + g0 * padded, padded, acc + g0 * head_dim);
     }
