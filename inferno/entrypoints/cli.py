@@ -39,7 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=d.enable_prefix_caching, help="reuse the KV cache of prompts' common prefixes")
     parser.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                         help="run every step in eager PyTorch (default: decode steps use a torch.compile'd forward, "
-                             "compiled on the first decode step and cached on disk)")
+                             "compiled when the engine starts and cached on disk)")
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '

@@ -126,8 +126,8 @@ class ModelRunner:
     def _run_compiled_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              stance: str = "eager_on_recompile") -> torch.Tensor:
-        """Two graphs, compiled at start-up (`stance` "default" there): one request (sizes of 1 are always specialised) and small batches.
-        The batch graph is guarded on the row counts where quantized layers switch kernels (e.g. int4 dequantizes
+        """Two graphs, compiled at start-up (`stance` "default" there): one request (sizes of 1 are always
+        specialised) and small batches. The batch graph is guarded on the row counts where quantized layers switch kernels (e.g. int4 dequantizes
         from 96 rows); a batch beyond them runs eagerly instead of compiling more graphs mid-serving (where the
         per-op overhead matters less anyway). The block-table width and the batch size are marked dynamic
         explicitly, the same way on every call (the marks are part of what the graphs are guarded on)."""
