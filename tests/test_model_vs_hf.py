@@ -49,9 +49,10 @@ def test_greedy_32_tokens_match_hf(llm, hf_model, prompt):
     assert_greedy_equal(out[0].outputs[0].token_ids, ref, margins, min_compared=min(16, len(ref)))
 
 
-def write_tiny_hf_model(folder, tokenizer, kind: str) -> None:
+def write_tiny_hf_model(folder, tokenizer, kind: str, hidden_size: int = 64) -> None:
+    """A random 2-layer model with 4 query / 2 KV heads (head size hidden_size / 4), saved as an HF folder."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    common = dict(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     if kind == "qwen2":
@@ -67,6 +68,23 @@ def write_tiny_hf_model(folder, tokenizer, kind: str) -> None:
     model.save_pretrained(folder)
     tokenizer._tokenizer.save(str(folder / "tokenizer.json"))
     return model.eval()
+
+
+def test_head_size_the_native_kernel_cannot_tile_decodes_on_the_pytorch_path(llm, tmp_path):
+    """Head size 24 is no multiple of the kernel's 16 lanes: decode attention takes the PyTorch path, and each
+    decoded token's log-probability is HF's for the same sequence (the random model's near-ties make token
+    equality meaningless)."""
+    hf_model = write_tiny_hf_model(tmp_path, llm.get_tokenizer(), "qwen2", hidden_size=96)
+    tiny = LLM(model=str(tmp_path), kv_cache_memory=16 << 20)
+    assert tiny.llm_engine.model_config.head_dim == 24 and not tiny.llm_engine.model_runner.use_kernels
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    out = tiny.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    assert len(out.token_ids) == 16
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1].log_softmax(dim=-1)
+    for i, (token, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert abs(logprobs[token].logprob - ref[i, token].item()) < 1e-3
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama3_rope_scaling"])
