@@ -204,6 +204,8 @@ def test_int8_per_channel_matmul_matches_dequantized_reference(batch):
     (1, 64, 64, 32), (1, 576, 576, 32), (3, 17, 128, 64), (4, 40, 256, 128), (5, 33, 576, 64), (9, 48, 1536, 32),
     (6, 100, 640, 128),  # 20 blocks: a chunk of 16 and a last one of 4
     (2, 24, 1088, 32),  # 34 blocks: a last chunk of 2
+    (12, 40, 1120, 32),  # 35 blocks: a last chunk of 3; rows in a pass of 8 and one of 4
+    (8, 16, 1088, 64),
 ])
 def test_int4_kernel_matches_the_sums_it_promises(m, n, k, group_size):
     """Per block, d * xs * sum (c - 8) xq in integers plus, per group, (min + 8 d) times the exact sum of x: the
@@ -250,8 +252,8 @@ def test_int4_kernel_rejects_bad_inputs():
         kernel(torch.randn(2, 128).bfloat16(), layer.weight, 32)
     with pytest.raises(RuntimeError, match="group_size must be 32, 64 or 128"):
         kernel(torch.randn(2, 128), layer.weight, 16)
-    with pytest.raises(RuntimeError, match="a multiple of 64"):
-        kernel(torch.randn(2, 96), layer.weight, 32)
+    with pytest.raises(RuntimeError, match="a multiple of group_size"):
+        kernel(torch.randn(2, 96), layer.weight, 64)
     with pytest.raises(RuntimeError, match="packed must be uint8"):
         kernel(torch.randn(2, 128), layer.weight, 64)  # 64-column groups: a shorter row
     assert kernel(torch.randn(0, 128), layer.weight, 32).shape == (0, 16)
@@ -260,7 +262,7 @@ def test_int4_kernel_rejects_bad_inputs():
 @pytest.mark.parametrize("rows", [5, 100])  # 100 rows: dequantize-then-GEMM path
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_matmul_matches_dequantized_reference(group_size, rows):
-    lin = linear(128, 96)  # 96 columns: padded up to a multiple of 64 / 128
+    lin = linear(128, 96)  # 96 columns: padded up to a multiple of 64 / 128 (whole groups)
     x = torch.randn(rows, 96)
     padded = torch.nn.functional.pad(lin.weight, (0, -96 % group_size))
     ref = x @ quantize_int4(padded, group_size).dequantize()[:, :96].t()

@@ -209,15 +209,57 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   return q;
 }
 
-// The int4 layout: per output row, K / 64 pairs of blocks of 32 codes in 32 bytes (byte i: code i of the first
-// block in the low nibble, of the second in the high nibble), then one float16 scale d per group, then one float16
-// min per group (w = code * d + min, the GGUF Q4_1 form). A row is one contiguous stream.
+// The int4 layout: per output row, the codes in chunks of 16 blocks of 32 columns (the last chunk may hold fewer,
+// nb blocks), then one float16 scale d per group, then one float16 min per group (w = code * d + min, the GGUF
+// Q4_1 form); a row is one contiguous stream. A chunk is 4 runs of 4 * nb bytes: in run v, bytes 4l..4l+3 hold
+// codes 4v..4v+3 of the chunk's block l in their low nibbles and codes 16+4v..16+4v+3 in their high nibbles. So
+// each unpacked run is two vectors with one block per 32-bit lane: one VNNI instruction adds 4 products to each of
+// 16 blocks' sums, 8 instructions finish them, and the float work is per 16 blocks instead of per block.
+constexpr int64_t CHUNK_BLOCKS = 16;
+constexpr int64_t CHUNK_BYTES = CHUNK_BLOCKS * X_BLOCK / 2;
+
 inline int64_t int4_row_bytes(int64_t k, int64_t group_size) { return k / 2 + 4 * (k / group_size); }
+
+// The 32 codes of block b (of `blocks`) of a row, in column order.
+inline void int4_block_codes(const uint8_t* row, int64_t blocks, int64_t b, uint8_t* codes) {
+  const int64_t c = b / CHUNK_BLOCKS, l = b % CHUNK_BLOCKS, nb = std::min(CHUNK_BLOCKS, blocks - c * CHUNK_BLOCKS);
+  const uint8_t* chunk = row + c * CHUNK_BYTES;
+  for (int64_t v = 0; v < 4; ++v)
+    for (int64_t e = 0; e < 4; ++e) {
+      const uint8_t byte = chunk[v * 4 * nb + 4 * l + e];
+      codes[4 * v + e] = byte & 0x0F;
+      codes[16 + 4 * v + e] = byte >> 4;
+    }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Calls run(std::integral_constant<int64_t, R>{}, r) for row blocks [r, r + R) of x covering [0, m): R = MAX_R,
+// then one smaller block for the rest (each row block is one pass over the weights).
+template <int64_t R, typename Run>
+void run_rows(int64_t count, int64_t r, Run& run) {
+  if constexpr (R > 0) {
+    if (count == R) run(std::integral_constant<int64_t, R>{}, r);
+    else run_rows<R - 1>(count, r, run);
+  }
+}
+
+template <int64_t MAX_R, typename Run>
+void for_row_blocks(int64_t m, Run&& run) {
+  int64_t r = 0;
+  for (; r + MAX_R <= m; r += MAX_R) run(std::integral_constant<int64_t, MAX_R>{}, r);
+  run_rows<MAX_R - 1>(m - r, r, run);
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Weights are read once per step, so they come from memory: the kernels prefetch about 2 KB ahead of the row they
 // work on (cold int4 weights stream about twice as fast with it).
 constexpr int64_t PREFETCH_BYTES = 2048;
+constexpr int64_t VNNI_ROW_BLOCK = 8;  // rows of x per pass over the weights
 
 struct PairVectors {  // per row of x and pair of blocks: the accumulator start and xs, 8 lanes per block
   std::vector<__m512i> starts;
@@ -272,25 +314,47 @@ void q8_matmul(const QuantizedRows& q, const uint8_t* codes, const float* scales
   const int64_t pairs = (k / X_BLOCK + 1) / 2;
   const PairVectors v = pair_vectors(q, m, k, 128);
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    int64_t r = 0;
-    for (; r + ROW_BLOCK <= m; r += ROW_BLOCK)
-      q8_rows<ROW_BLOCK>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs, codes,
-                         scales, y + r * n, n, k, begin, end);
-    for (; r < m; ++r)
-      q8_rows<1>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs, codes, scales,
-                 y + r * n, n, k, begin, end);
+    for_row_blocks<VNNI_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      q8_rows<decltype(rows)::value>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs,
+                                     codes, scales, y + r * n, n, k, begin, end);
+    });
   });
 }
 
-// int4: output rows [begin, end) for R rows of x. Per chunk of 16 blocks (512 columns) the row's scales and mins
-// of those columns' groups are converted at once; each pair of blocks then picks its two scales by a permutation.
+struct ChunkedRows {  // the rows of x in the int4 chunk layout, per row and chunk:
+  std::vector<__m512i> codes;   // [M, chunks, 8]: 8 vectors, lane l holding 4 codes of block l (0 past the end)
+  std::vector<__m512i> starts;  // [M, chunks]: the accumulator start, -8 * (sum of block l's codes) in lane l
+  std::vector<__m512> scales;   // [M, chunks]: xs of block l in lane l
+  std::vector<float> group_sums;  // [M, groups]: sums of the float values
+};
+
+ChunkedRows chunked_rows(const QuantizedRows& q, int64_t m, int64_t k, int64_t group_size) {
+  const int64_t blocks = k / X_BLOCK, chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+  const int64_t per_group = group_size / X_BLOCK;
+  ChunkedRows x{std::vector<__m512i>(m * chunks * 8, _mm512_setzero_si512()),
+                std::vector<__m512i>(m * chunks, _mm512_setzero_si512()),
+                std::vector<__m512>(m * chunks, _mm512_setzero_ps()), std::vector<float>(m * k / group_size, 0.f)};
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t c = b / CHUNK_BLOCKS, l = b % CHUNK_BLOCKS, rb = r * blocks + b;
+      auto* lanes = reinterpret_cast<int32_t*>(x.codes.data() + (r * chunks + c) * 8);
+      std::memcpy(&lanes[l], &q.codes[rb * X_BLOCK], 4);  // vector t, lane l: codes 4t..4t+3
+      for (int64_t t = 1; t < 8; ++t) std::memcpy(&lanes[t * LANES + l], &q.codes[rb * X_BLOCK + 4 * t], 4);
+      reinterpret_cast<int32_t*>(&x.starts[r * chunks + c])[l] = -8 * q.code_sums[rb];
+      reinterpret_cast<float*>(&x.scales[r * chunks + c])[l] = q.scales[rb];
+      x.group_sums[rb / per_group] += q.sums[rb];
+    }
+  return x;
+}
+
+// int4: output rows [begin, end) for R rows of x (from row r0 of `x`). Per chunk the row's scales and mins of the
+// chunk's groups are converted at once and spread to the blocks' lanes by a permutation.
 //   sum_k w x = sum_b d_g(b) * xs_b * (sum (c - 8) xq) + sum_g (min_g + 8 d_g) * sum_{k in g} x
 template <int64_t R>
-void int4_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, const float* x_group_sums,
-               const __m512i* pick, const uint8_t* packed, float* y, int64_t n, int64_t k, int64_t group_size,
-               int64_t begin, int64_t end) {
-  const int64_t blocks = k / X_BLOCK, pairs = blocks / 2, groups = k / group_size, per_group = group_size / X_BLOCK;
-  const int64_t row_bytes = int4_row_bytes(k, group_size);
+void int4_rows(const ChunkedRows& x, int64_t r0, __m512i pick, const uint8_t* packed, float* y, int64_t n, int64_t k,
+               int64_t group_size, int64_t begin, int64_t end) {
+  const int64_t blocks = k / X_BLOCK, chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS, groups = k / group_size;
+  const int64_t per_group = group_size / X_BLOCK, row_bytes = int4_row_bytes(k, group_size);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = packed + j * row_bytes;
@@ -300,24 +364,29 @@ void int4_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, 
     const uint16_t* mins = d + groups;
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t c0 = 0; c0 < blocks; c0 += 16) {
-      const int64_t chunk_blocks = std::min<int64_t>(16, blocks - c0), g0 = c0 / per_group;
-      const __mmask16 live = static_cast<__mmask16>((1u << (chunk_blocks / per_group)) - 1);  // the chunk's groups
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t nb = std::min(CHUNK_BLOCKS, blocks - c * CHUNK_BLOCKS), g0 = c * CHUNK_BLOCKS / per_group;
+      const __mmask16 live = static_cast<__mmask16>((1u << (nb / per_group)) - 1);  // the chunk's groups
       const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + g0));
       const __m512 zero_point = _mm512_fmadd_ps(_mm512_set1_ps(8.f), dv,
                                                 _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g0)));
-      for (int64_t r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(zero_point, _mm512_maskz_loadu_ps(live, x_group_sums + r * groups + g0), acc[r]);
-      for (int64_t p = 0; p < chunk_blocks / 2; ++p) {
-        const int64_t pair = c0 / 2 + p;
-        const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + pair * 32)));
-        const __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), low4);
-        const __m512 w_scale = _mm512_permutexvar_ps(pick[p], dv);
-        for (int64_t r = 0; r < R; ++r) {
-          const __m512i x = _mm512_loadu_si512(xq + r * k + pair * 2 * X_BLOCK);
-          const __m512i dot = _mm512_dpbusd_epi32(starts[r * pairs + pair], w, x);
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, x_scales[r * pairs + pair]), acc[r]);
-        }
+      const __m512 d_blocks = _mm512_permutexvar_ps(pick, dv);
+      const __mmask64 run_bytes = nb == CHUNK_BLOCKS ? ~__mmask64{0} : (__mmask64{1} << (4 * nb)) - 1;
+      const uint8_t* chunk = row + c * CHUNK_BYTES;
+      __m512i w[8];
+      for (int64_t v = 0; v < 4; ++v) {
+        const __m512i bytes = _mm512_maskz_loadu_epi8(run_bytes, chunk + v * 4 * nb);
+        w[v] = _mm512_and_si512(bytes, low4);
+        w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t rc = (r0 + r) * chunks + c;
+        const __m512i* xc = x.codes.data() + rc * 8;
+        __m512i dot = x.starts[rc];
+        for (int64_t t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], xc[t]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d_blocks, x.scales[rc]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(zero_point, _mm512_maskz_loadu_ps(live, x.group_sums.data() + (r0 + r) * groups + g0),
+                                 acc[r]);
       }
     }
     for (int64_t r = 0; r < R; ++r) y[r * n + j] = _mm512_reduce_add_ps(acc[r]);
@@ -326,21 +395,13 @@ void int4_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, 
 
 void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
                  int64_t group_size) {
-  const int64_t pairs = k / X_BLOCK / 2, groups = k / group_size, per_group = group_size / X_BLOCK;
-  const PairVectors v = pair_vectors(q, m, k, 8);
-  std::vector<float> group_sums(m * groups, 0.f);
-  for (int64_t b = 0; b < m * k / X_BLOCK; ++b) group_sums[b / per_group] += q.sums[b];
-  __m512i pick[8];  // pair p of a chunk: the scale of its blocks' groups, relative to the chunk's first group
-  for (int64_t p = 0; p < 8; ++p)
-    pick[p] = _mm512_inserti32x8(_mm512_set1_epi32(2 * p / per_group), _mm256_set1_epi32((2 * p + 1) / per_group), 1);
+  const ChunkedRows x = chunked_rows(q, m, k, group_size);
+  const __m512i pick = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         __builtin_ctzll(group_size / X_BLOCK));  // lane l: the group of block l
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    int64_t r = 0;
-    for (; r + ROW_BLOCK <= m; r += ROW_BLOCK)
-      int4_rows<ROW_BLOCK>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs,
-                           group_sums.data() + r * groups, pick, packed, y + r * n, n, k, group_size, begin, end);
-    for (; r < m; ++r)
-      int4_rows<1>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs,
-                   group_sums.data() + r * groups, pick, packed, y + r * n, n, k, group_size, begin, end);
+    for_row_blocks<VNNI_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, begin, end);
+    });
   });
 }
 #else  // the same sums, left to the compiler
@@ -363,28 +424,21 @@ void q8_matmul(const QuantizedRows& q, const uint8_t* codes, const float* scales
   });
 }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
 void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
                  int64_t group_size) {
   const int64_t blocks = k / X_BLOCK, groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    uint8_t codes[X_BLOCK];
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* row = packed + j * row_bytes;
       for (int64_t r = 0; r < m; ++r) {
         float acc = 0.f;
         for (int64_t b = 0; b < blocks; ++b) {
-          const uint8_t* pair = row + b / 2 * 32;
+          int4_block_codes(row, blocks, b, codes);
           const int8_t* x = q.codes.data() + r * k + b * X_BLOCK;
           int32_t dot = -8 * q.code_sums[r * blocks + b];  // (c - 8) inside the loop: GCC 12 turns it into a wrong
-          for (int64_t i = 0; i < X_BLOCK; ++i) {          // unsigned x signed dot product with AVX-VNNI
-            const int32_t code = b % 2 ? pair[i] >> 4 : pair[i] & 0x0F;
-            dot += code * int32_t{x[i]};
-          }
+          for (int64_t i = 0; i < X_BLOCK; ++i)            // unsigned x signed dot product with AVX-VNNI
+            dot += int32_t{codes[i]} * int32_t{x[i]};
           const int64_t g = b * X_BLOCK / group_size;
           const float d = half_at(row + k / 2 + 2 * g), min = half_at(row + k / 2 + 2 * (groups + g));
           acc += static_cast<float>(dot) * d * q.scales[r * blocks + b] + (min + 8 * d) * q.sums[r * blocks + b];
@@ -405,7 +459,7 @@ inline uint16_t to_bfloat16(float x) {  // round to nearest even (weights are fi
 
 // packed [N, int4_row_bytes] uint8 -> W [N, K] bfloat16, w = code * d + min computed in float32
 at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size) {
-  TORCH_CHECK(k % 64 == 0 && k % group_size == 0, "k must be a multiple of 64 and of group_size, got ", k);
+  TORCH_CHECK(group_size % X_BLOCK == 0 && k % group_size == 0, "k must be a multiple of group_size, got ", k);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(1) == int4_row_bytes(k, group_size),
               "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
@@ -423,13 +477,12 @@ at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_si
         mins[g] = static_cast<float>(halves[groups + g]);
       }
       uint16_t* out = wp + j * k;
-      for (int64_t p = 0; p < k / 64; ++p) {
-        const uint8_t* bytes = row + p * 32;
-        const int64_t g0 = 2 * p * X_BLOCK / group_size, g1 = (2 * p + 1) * X_BLOCK / group_size;
-        for (int64_t i = 0; i < X_BLOCK; ++i) {
-          out[2 * p * X_BLOCK + i] = to_bfloat16(static_cast<float>(bytes[i] & 0x0F) * d[g0] + mins[g0]);
-          out[(2 * p + 1) * X_BLOCK + i] = to_bfloat16(static_cast<float>(bytes[i] >> 4) * d[g1] + mins[g1]);
-        }
+      uint8_t codes[X_BLOCK];
+      for (int64_t b = 0; b < k / X_BLOCK; ++b) {
+        int4_block_codes(row, k / X_BLOCK, b, codes);
+        const int64_t g = b * X_BLOCK / group_size;
+        for (int64_t i = 0; i < X_BLOCK; ++i)
+          out[b * X_BLOCK + i] = to_bfloat16(static_cast<float>(codes[i]) * d[g] + mins[g]);
       }
     }
   });
@@ -472,14 +525,14 @@ at::Tensor int8_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   return y;
 }
 
-// x [M, K] float32, K a multiple of 64 and of group_size (32, 64 or 128); packed [N, int4_row_bytes] uint8 (the
+// x [M, K] float32, K a multiple of group_size (32, 64 or 128); packed [N, int4_row_bytes] uint8 (the
 // int4 layout above) -> [M, N] float32
 at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
   TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, "group_size must be 32, 64 or 128, got ",
               group_size);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(k % 64 == 0 && k % group_size == 0, "x needs a multiple of 64 and of group_size columns, got ", k);
+  TORCH_CHECK(k % group_size == 0, "x needs a multiple of group_size columns, got ", k);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(1) == int4_row_bytes(k, group_size),
               "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");

@@ -32,7 +32,7 @@ COMPUTE_DTYPE = torch.bfloat16
 # 6.9 ms at 4 rows on 2 cores (PyTorch's: 3.4 and 5.9; benchmarks/kernels.py).
 INT8_DEQUANTIZE_FROM_ROWS = 32
 INT4_DEQUANTIZE_FROM_ROWS = 96
-INT4_ROW_MULTIPLE = 64  # the int4 kernel reads blocks of 32 columns in pairs
+INT4_CHUNK_BLOCKS = 16  # blocks of 32 columns whose codes the int4 kernel sums in one go
 # The native group-wise int8 kernel against float32 dequantize-then-GEMM, the 4 projections of one SmolLM2 layer on
 # one core: 1 row 0.27 ms against 1.45 ms, 8 rows 1.2 against 2.4, 16 rows 2.41 against 2.48, 32 rows 5.1 against 3.1.
 INT8_GROUP_DEQUANTIZE_FROM_ROWS = 16
@@ -215,8 +215,8 @@ class Q8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """Group-wise 4-bit weights in the layout of the native `inferno::int4_q8_matmul` (kernels/quantized_gemv.cpp):
-    per output row, the codes of each pair of 32-column blocks share 32 bytes (first block in the low nibbles), then
-    a float16 scale per group, then a float16 min per group; one contiguous stream per row. Decode-sized batches run
+    per output row, the codes in chunks of 16 blocks of 32 columns interleaved 4 codes at a time (see `pack_int4`),
+    then a float16 scale per group, then a float16 min per group; one contiguous stream per row. Decode-sized batches run
     the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense bfloat16 GEMM on the
     dequantized weight."""
 
@@ -227,7 +227,7 @@ class Int4Linear(nn.Module):
         self.out_features = weight.codes.shape[0]
         self.in_features = in_features or weight.codes.shape[1]
         self.group_size = weight.group_size
-        weight = pad_columns(weight, max(INT4_ROW_MULTIPLE, self.group_size))
+        weight = pad_columns(weight, self.group_size)
         self.padded_in_features = weight.codes.shape[1]
         self.register_buffer("weight", pack_int4(weight))
         self.register_buffer("bias", bias)
@@ -244,8 +244,7 @@ class Int4Linear(nn.Module):
         if self.native and dtype == torch.bfloat16:
             return torch.ops.inferno.int4_dequantize(self.weight, k, self.group_size)
         groups = k // self.group_size
-        nibbles = self.weight[:, :k // 2].view(n, k // INT4_ROW_MULTIPLE, 1, INT4_ROW_MULTIPLE // 2)
-        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).view(n, groups, self.group_size)
+        codes = unpack_int4(self.weight[:, :k // 2]).view(n, groups, self.group_size)
         halves = self.weight[:, k // 2:].contiguous().view(torch.float16).float()  # [N, 2 * groups]
         scales, mins = halves[:, :groups].unsqueeze(-1), halves[:, groups:].unsqueeze(-1)
         return torch.addcmul(mins, codes.float(), scales).view(n, k).to(dtype)
@@ -274,13 +273,28 @@ def pad_columns(weight: GroupQuantized, multiple: int) -> GroupQuantized:
 
 
 def pack_int4(weight: GroupQuantized) -> torch.Tensor:
-    """4-bit codes [N, K] (K a multiple of 64), scales and mins [N, groups] -> the int4 kernel's rows, uint8
-    [N, K / 2 + 4 * groups]: byte i of pair p holds code i of block 2p (low nibble) and of block 2p + 1 (high)."""
+    """4-bit codes [N, K] (K a multiple of 32), scales and mins [N, groups] -> the int4 kernel's rows, uint8
+    [N, K / 2 + 4 * groups]. The codes go in chunks of INT4_CHUNK_BLOCKS blocks of 32 (the last may be shorter);
+    a chunk of b blocks is 4 runs of 4 * b bytes, run v holding 4 bytes per block: codes 4v..4v+3 of the block in
+    the low nibbles, codes 16 + 4v..16 + 4v + 3 in the high ones."""
     n, k = weight.codes.shape
-    pairs = weight.codes.view(n, k // INT4_ROW_MULTIPLE, 2, INT4_ROW_MULTIPLE // 2)
-    nibbles = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
-    halves = torch.cat([weight.scales, weight.mins], dim=1).to(torch.float16).view(torch.uint8)
-    return torch.cat([nibbles, halves], dim=1).contiguous()
+    chunks = []
+    for chunk in weight.codes.view(n, k // 32, 32).split(INT4_CHUNK_BLOCKS, dim=1):
+        halves = chunk.view(n, chunk.shape[1], 2, 4, 4)  # (block, high nibble, run, byte)
+        nibbles = halves[:, :, 0] | (halves[:, :, 1] << 4)
+        chunks.append(nibbles.transpose(1, 2).reshape(n, -1))
+    scales = torch.cat([weight.scales, weight.mins], dim=1).to(torch.float16).view(torch.uint8)
+    return torch.cat(chunks + [scales], dim=1).contiguous()
+
+
+def unpack_int4(nibbles: torch.Tensor) -> torch.Tensor:
+    """The codes part of pack_int4's rows, uint8 [N, K / 2] -> codes [N, K] in column order."""
+    n = nibbles.shape[0]
+    blocks = []
+    for chunk in nibbles.split(INT4_CHUNK_BLOCKS * 16, dim=1):
+        runs = chunk.reshape(n, 4, -1, 4).transpose(1, 2)  # (block, run, byte)
+        blocks.append(torch.stack([runs & 0x0F, runs >> 4], dim=2).reshape(n, -1))
+    return torch.cat(blocks, dim=1)
 
 
 def quantize_linears(model: nn.Module, method: str, group_size: int,
