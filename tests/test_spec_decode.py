@@ -1,4 +1,6 @@
 """Speculative decoding in the batched engine: the output is the target's, whatever the proposer; no block leaks."""
+import time
+
 import pytest
 
 from conftest import assert_all_blocks_free
@@ -289,3 +291,21 @@ def test_draft_model_kv_cache_shares_kv_cache_memory(model_path, random_draft, d
     assert engine.num_blocks == budget // (target_block + draft_bytes // engine.num_blocks)
     if draft == "itself":
         assert draft_bytes == target_bytes and engine.num_blocks == budget // (2 * target_block) < plain.num_blocks
+
+
+def test_token_times_include_the_proposal_made_before_the_step_returns(self_draft_llm, prompts, monkeypatch):
+    """A step hands its tokens out after proposing the next drafts (the draft model's prefill of a new prompt
+    included): a token's time is when the step returns, and each request's times are in order."""
+    proposer = self_draft_llm.llm_engine.proposer
+    propose, delay = proposer.propose, 0.3
+
+    def slow_propose(planned):
+        propose(planned)
+        time.sleep(delay)
+    monkeypatch.setattr(proposer, "propose", slow_propose)
+    outputs = self_draft_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    for out in outputs:
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+        assert m.first_token_time - m.first_scheduled_time >= delay
+    assert_all_blocks_free(self_draft_llm.llm_engine)

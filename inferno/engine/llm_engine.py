@@ -196,10 +196,19 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        outputs += self.output_processor.make_outputs(updated)
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.spec_policy.plan(self.scheduler.running))
-        return outputs
+        # a token reaches its user when the step returns: after the drafts for the next step (the draft model's
+        # prefill of a new prompt counts in its time to first token)
+        now = time.time()
+        for req in updated:
+            if req.request_id in output.sampled_token_ids:
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                req.metrics.last_token_time = now
+                if req.is_finished:
+                    req.metrics.finished_time = now
+        return outputs + self.output_processor.make_outputs(updated)
 
     def _advance_beam_searches(self, beams: list[Request], output: ModelRunnerOutput) -> list[RequestOutput]:
         """Hand each beam's log-probabilities to its search; a search whose beams have all reported advances."""

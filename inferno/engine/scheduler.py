@@ -117,7 +117,6 @@ class Scheduler:
         got a new token or a prompt-logprob chunk. Rejected draft tokens are not computed: their KV slots are
         written again by later steps, and a block enters the prefix cache only once all its tokens are accepted."""
         updated = []
-        now = time.time()
         for req, n in zip(sched.requests, sched.num_scheduled_tokens):
             drafts = sched.spec_token_ids.get(req.request_id, [])
             req.spec_token_ids, req.draft_probs = [], None
@@ -129,9 +128,6 @@ class Scheduler:
                 self.spec_policy.observe(req.request_id, len(drafts), len(drafts) - num_rejected)
             stopped = False
             if tokens is not None and req.beam_search_id is None:  # a beam's search appends its tokens itself
-                if req.metrics.first_token_time is None:
-                    req.metrics.first_token_time = now
-                req.metrics.last_token_time = now
                 for token in tokens:  # stop checks token by token; tokens after a stop are dropped
                     req.append_token(token)
                     if req.check_stop():
