@@ -110,13 +110,13 @@ def main() -> None:
         for batch, context in [(1, 600), (1, 2000), (8, 600), (64, 300), (256, 200)]:
             ours, theirs = attention_case(batch, context, args.repeats)
             rows.append((threads, f"paged attention, {batch} × {context} tokens, one layer", ours, theirs, "gather + matmul"))
-        for n in (1, 4):
+        for n in (1, 2, 4, 6, 8):
             ours, theirs = projections_case(n, args.repeats)
             rows.append((threads, f"int4 projections of 30 layers, {n} row(s)", ours, theirs, "_weight_int4pack_mm"))
-        for n in (1, 4):
+        for n in (1, 2, 4, 6, 8):
             ours, theirs = lm_head_case(n, args.repeats)
             rows.append((threads, f"LM head 49152 × 576, {n} row(s)", ours, theirs, "_weight_int8pack_mm"))
-        print(*rows[-9:], sep="\n", flush=True)
+        print(*rows[-15:], sep="\n", flush=True)
     lines = ["## Native kernels against PyTorch's (`benchmarks/kernels.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Machine: {torch.get_num_threads()} threads max, {platform.processor() or platform.machine()}, "

@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-spec-tokens", type=int, default=5, help="n-gram drafts per step")
-    parser.add_argument("--num-draft-tokens", type=int, default=3, help="draft-model drafts per step")
+    parser.add_argument("--num-draft-tokens", type=int, default=5, help="draft-model drafts per step")
     parser.add_argument("--draft-acceptance-threshold", type=float, default=None, help="default: the config's")
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=2)
