@@ -38,7 +38,9 @@ SPEC_METHODS = ("ngram", "draft_model")
 # (int4 matmuls are compute-bound there), and with 0.6 acceptance the 0.5B draft lost a third of the throughput;
 # with the switch it kept ~0.95x. Requests whose drafts are mostly rejected (n-gram on chat) pause.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = 0.3
+# a draft position pays when its chance of acceptance outweighs its cost: the extra row verified for n-gram drafts,
+# that plus a pass of the draft model (about a third of a target step for Qwen2.5-Coder 0.5B vs 1.5B) for a draft
+DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = {"ngram": 0.3, "draft_model": 0.5}
 
 
 @dataclass(slots=True)
@@ -53,18 +55,19 @@ class SpeculativeConfig:
     - `draft_acceptance_threshold` (inferno's adaptive policy): each request estimates its own chance α that a
       draft is accepted (accepted vs rejected drafts of its recent verification steps, older ones decayed); it
       proposes draft position j only while α^j, the chance that position is reached and accepted, is at least
-      the threshold. A request below it at position 1 stops proposing and probes with one draft every
-      `PROBE_INTERVAL` steps (inferno/spec_decode/policy.py). 0 turns the policy off (always k drafts).
+      the threshold (default DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD, per method). A request below it at position 1
+      stops proposing and probes with one draft every `PROBE_INTERVAL` steps (inferno/spec_decode/policy.py).
+      0 turns the policy off (always k drafts).
     Neither changes what is generated: the output is the target's distribution (greedy: the same tokens) whatever
     the number of drafts, though a seeded sampled request's tokens depend on it.
     """
     method: str  # "ngram" (prompt lookup) | "draft_model"
     num_speculative_tokens: int
-    prompt_lookup_min: int = 5  # ngram: shortest suffix to look up
-    prompt_lookup_max: int = 5  # ngram: longest suffix to look up
-    model: str | None = None  # draft_model: GGUF file or HF folder sharing the target's tokenizer
-    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
-    draft_acceptance_threshold: float = DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD
+    prompt_lookup_min: int  # ngram: shortest suffix to look up
+    prompt_lookup_max: int  # ngram: longest suffix to look up
+    model: str | None  # draft_model: GGUF file or HF folder sharing the target's tokenizer
+    disable_by_batch_size: int | None
+    draft_acceptance_threshold: float
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
@@ -99,7 +102,7 @@ class SpeculativeConfig:
         if disable is not None and not _is_positive_int(disable):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, "
                              f"got {disable!r}")
-        threshold = config.get("draft_acceptance_threshold", DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD)
+        threshold = config.get("draft_acceptance_threshold", DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD[method])
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
             raise ValueError(f"speculative_config draft_acceptance_threshold must be a number in [0, 1) "
                              f"(0: always propose num_speculative_tokens), got {threshold!r}")

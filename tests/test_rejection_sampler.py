@@ -115,6 +115,7 @@ def test_speculative_config_follows_vllm():
     assert (draft.method, draft.num_lookahead_tokens) == ("draft_model", 3)
     # the speculation policy: inferno's defaults, vLLM's None for "never switch off by batch size"
     assert (spec.disable_by_batch_size, spec.draft_acceptance_threshold) == (4, 0.3)
+    assert draft.draft_acceptance_threshold == 0.5  # a draft model's passes cost more than a lookup
     policy = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
                                           "disable_by_batch_size": None, "draft_acceptance_threshold": 0})
     assert (policy.disable_by_batch_size, policy.draft_acceptance_threshold) == (None, 0.0)

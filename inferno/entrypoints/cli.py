@@ -44,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
                              '"num_speculative_tokens": 4}\'; policy keys "disable_by_batch_size" (default 4, '
-                             'null: never) and "draft_acceptance_threshold" (default 0.3, 0: off)')
+                             'null: never) and "draft_acceptance_threshold" (default 0.3 for ngram, 0.5 for '
+                             'draft_model; 0: off)')
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

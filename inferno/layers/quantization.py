@@ -216,9 +216,9 @@ class Q8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Group-wise 4-bit weights in the layout of the native `inferno::int4_q8_matmul` (kernels/quantized_gemv.cpp):
     per output row, the codes in chunks of 16 blocks of 32 columns interleaved 4 codes at a time (see `pack_int4`),
-    then a float16 scale per group, then a float16 min per group; one contiguous stream per row. Decode-sized batches run
-    the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense bfloat16 GEMM on the
-    dequantized weight."""
+    then a float16 scale per group, then a float16 min per group; one contiguous stream per row. Decode-sized
+    batches run the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense bfloat16
+    GEMM on the dequantized weight."""
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None, in_features: int | None = None):
         """`weight` may have columns appended (up to a multiple of the group size) beyond `in_features`; inputs are
