@@ -28,8 +28,8 @@ COMPUTE_DTYPE = torch.bfloat16
 # From this many rows (prefill, large batches), dequantizing the weight once and running the dense bf16 GEMM beats
 # the matrix-vector kernels (3072x576 weight, 512 rows, one core: 41-45 ms `_weight_int8pack_mm` against 4 ms
 # dequantize-then-GEMM; the crossover is near 32 rows). The int4 crossover (96) was measured against PyTorch's int4
-# kernel; the VNNI kernel that replaced it takes 3.0 ms for the 120 projections of a SmolLM2 step at 1 row and
-# 6.9 ms at 4 rows on 2 cores (PyTorch's: 3.4 and 5.9; benchmarks/kernels.py).
+# kernel, not re-measured for the VNNI kernel that replaced it (3.0 ms for the 120 projections of a SmolLM2 step at
+# 1 row, 5.7 ms at 4, 10.3 ms at 8 on 2 cores; benchmarks/kernels.py).
 INT8_DEQUANTIZE_FROM_ROWS = 32
 INT4_DEQUANTIZE_FROM_ROWS = 96
 INT4_CHUNK_BLOCKS = 16  # blocks of 32 columns whose codes the int4 kernel sums in one go
