@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -47,6 +48,23 @@ inline float sum_lanes(floatx16 v) {
   float s = 0.f;
   for (int64_t i = 0; i < LANES; ++i) s += v[i];
   return s;
+}
+
+// Calls run(std::integral_constant<int64_t, R>{}, r) for row blocks [r, r + R) of x covering [0, m): R = MAX_R,
+// then one smaller block for the rest (each row block is one pass over the weights).
+template <int64_t R, typename Run>
+void run_rows(int64_t count, int64_t r, Run& run) {
+  if constexpr (R > 0) {
+    if (count == R) run(std::integral_constant<int64_t, R>{}, r);
+    else run_rows<R - 1>(count, r, run);
+  }
+}
+
+template <int64_t MAX_R, typename Run>
+void for_row_blocks(int64_t m, Run&& run) {
+  int64_t r = 0;
+  for (; r + MAX_R <= m; r += MAX_R) run(std::integral_constant<int64_t, MAX_R>{}, r);
+  run_rows<MAX_R - 1>(m - r, r, run);
 }
 
 // sum_i q_i x[r, i] over one group [begin, end) of one output row, for R rows of x; GROUP > 0: a whole group of
@@ -97,17 +115,10 @@ void matmul_rows(const float* x, const float* x_sums, const uint8_t* codes, cons
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* c = codes + j * k;
     const float *s = scales + j * groups, *mn = mins + j * groups;
-    int64_t r = 0;
-    for (; r + ROW_BLOCK <= m; r += ROW_BLOCK)
-      dot_rows<ROW_BLOCK, GROUP>(x + r * k, k, x_sums + r * groups, groups, c, s, mn, k, group_size, y + r * n + j, n);
-    const float* xr = x + r * k;
-    const float* sr = x_sums + r * groups;
-    switch (m - r) {
-      case 3: dot_rows<3, GROUP>(xr, k, sr, groups, c, s, mn, k, group_size, y + r * n + j, n); break;
-      case 2: dot_rows<2, GROUP>(xr, k, sr, groups, c, s, mn, k, group_size, y + r * n + j, n); break;
-      case 1: dot_rows<1, GROUP>(xr, k, sr, groups, c, s, mn, k, group_size, y + r * n + j, n); break;
-      default: break;
-    }
+    for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      dot_rows<decltype(rows)::value, GROUP>(x + r * k, k, x_sums + r * groups, groups, c, s, mn, k, group_size,
+                                             y + r * n + j, n);
+    });
   }
 }
 
@@ -238,23 +249,6 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Calls run(std::integral_constant<int64_t, R>{}, r) for row blocks [r, r + R) of x covering [0, m): R = MAX_R,
-// then one smaller block for the rest (each row block is one pass over the weights).
-template <int64_t R, typename Run>
-void run_rows(int64_t count, int64_t r, Run& run) {
-  if constexpr (R > 0) {
-    if (count == R) run(std::integral_constant<int64_t, R>{}, r);
-    else run_rows<R - 1>(count, r, run);
-  }
-}
-
-template <int64_t MAX_R, typename Run>
-void for_row_blocks(int64_t m, Run&& run) {
-  int64_t r = 0;
-  for (; r + MAX_R <= m; r += MAX_R) run(std::integral_constant<int64_t, MAX_R>{}, r);
-  run_rows<MAX_R - 1>(m - r, r, run);
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Weights are read once per step, so they come from memory: the kernels prefetch about 2 KB ahead of the row they
 // work on (cold int4 weights stream about twice as fast with it).
@@ -266,14 +260,14 @@ struct PairVectors {  // per row of x and pair of blocks: the accumulator start 
   std::vector<__m512> scales;
 };
 
-PairVectors pair_vectors(const QuantizedRows& q, int64_t m, int64_t k, int32_t weight_offset) {
+PairVectors pair_vectors(const QuantizedRows& q, int64_t m, int64_t k) {
   const int64_t blocks = k / X_BLOCK, pairs = (blocks + 1) / 2;
   PairVectors v{std::vector<__m512i>(m * pairs), std::vector<__m512>(m * pairs)};
   for (int64_t r = 0; r < m; ++r)
     for (int64_t p = 0; p < pairs; ++p) {
       const int64_t b = r * blocks + 2 * p;
       const bool second = 2 * p + 1 < blocks;  // else a last, single block in the low lanes
-      const int32_t per_lane = weight_offset / 8;
+      const int32_t per_lane = 128 / 8;  // the weights' offset (codes c + 128), spread over a block's 8 lanes
       v.starts[r * pairs + p] = _mm512_inserti32x8(_mm512_set1_epi32(-per_lane * q.code_sums[b]),
                                                    _mm256_set1_epi32(second ? -per_lane * q.code_sums[b + 1] : 0), 1);
       v.scales[r * pairs + p] = _mm512_insertf32x8(_mm512_set1_ps(q.scales[b]),
@@ -312,7 +306,7 @@ void q8_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, co
 void q8_matmul(const QuantizedRows& q, const uint8_t* codes, const float* scales, float* y, int64_t m, int64_t n,
                int64_t k) {
   const int64_t pairs = (k / X_BLOCK + 1) / 2;
-  const PairVectors v = pair_vectors(q, m, k, 128);
+  const PairVectors v = pair_vectors(q, m, k);
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for_row_blocks<VNNI_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       q8_rows<decltype(rows)::value>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs,
@@ -428,17 +422,18 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
                  int64_t group_size) {
   const int64_t blocks = k / X_BLOCK, groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    uint8_t codes[X_BLOCK];
+    std::vector<uint8_t> codes(k);
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* row = packed + j * row_bytes;
+      for (int64_t b = 0; b < blocks; ++b) int4_block_codes(row, blocks, b, codes.data() + b * X_BLOCK);
       for (int64_t r = 0; r < m; ++r) {
         float acc = 0.f;
         for (int64_t b = 0; b < blocks; ++b) {
-          int4_block_codes(row, blocks, b, codes);
+          const uint8_t* c = codes.data() + b * X_BLOCK;
           const int8_t* x = q.codes.data() + r * k + b * X_BLOCK;
           int32_t dot = -8 * q.code_sums[r * blocks + b];  // (c - 8) inside the loop: GCC 12 turns it into a wrong
           for (int64_t i = 0; i < X_BLOCK; ++i)            // unsigned x signed dot product with AVX-VNNI
-            dot += int32_t{codes[i]} * int32_t{x[i]};
+            dot += int32_t{c[i]} * int32_t{x[i]};
           const int64_t g = b * X_BLOCK / group_size;
           const float d = half_at(row + k / 2 + 2 * g), min = half_at(row + k / 2 + 2 * (groups + g));
           acc += static_cast<float>(dot) * d * q.scales[r * blocks + b] + (min + 8 * d) * q.sums[r * blocks + b];
@@ -459,7 +454,8 @@ inline uint16_t to_bfloat16(float x) {  // round to nearest even (weights are fi
 
 // packed [N, int4_row_bytes] uint8 -> W [N, K] bfloat16, w = code * d + min computed in float32
 at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size) {
-  TORCH_CHECK(group_size % X_BLOCK == 0 && k % group_size == 0, "k must be a multiple of group_size, got ", k);
+  TORCH_CHECK(group_size % X_BLOCK == 0 && k % group_size == 0,
+              "group_size must be a multiple of 32 and k of group_size, got ", group_size, " and ", k);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(1) == int4_row_bytes(k, group_size),
               "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
