@@ -22,43 +22,42 @@
 
 namespace {
 
-constexpr int64_t LANES = 16;  // one AVX-512 register of float32 (two AVX2 registers)
-constexpr int64_t ROW_BLOCK = 4;  // rows of x sharing one conversion of the codes
-typedef float floatx16 __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t intx16 __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint8_t bytex16 __attribute__((vector_size(LANES)));
-
-inline floatx16 load_codes(const uint8_t* p) {
 #if defined(__AVX512F__)
-  return (floatx16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+constexpr int64_t LANES = 16;  // float32 in one vector register
+#else
+constexpr int64_t LANES = 8;  // AVX2 (wider GCC vectors go through memory there: 10x slower)
+#endif
+constexpr int64_t ROW_BLOCK = 4;  // rows of x sharing one conversion of the codes
+typedef float floatv __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t intv __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint8_t bytev __attribute__((vector_size(LANES)));
+
+inline floatv load_codes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (floatv)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(__AVX2__)
-  const __m256 halves[2] = {
-      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
-      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
-  floatx16 v;
-  std::memcpy(&v, halves, sizeof(v));
-  return v;
-#else  // GCC 12 widens bytes lane by lane here; AVX-512 has one instruction for it
-  bytex16 v;
+  return (floatv)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else  // GCC 12 widens bytes lane by lane here
+  bytev v;
   std::memcpy(&v, p, sizeof(v));
-  return __builtin_convertvector(__builtin_convertvector(v, intx16), floatx16);
+  return __builtin_convertvector(__builtin_convertvector(v, intv), floatv);
 #endif
 }
 
-inline floatx16 load_floats(const float* p) {
-  floatx16 v;
+inline floatv load_floats(const float* p) {
+  floatv v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline float sum_lanes(floatx16 v) {
+inline float sum_lanes(floatv v) {
   float s = 0.f;
   for (int64_t i = 0; i < LANES; ++i) s += v[i];
   return s;
 }
 
 #if defined(__AVX2__)
-inline float sum_lanes(__m256 v) {
+inline float sum_lanes256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
@@ -69,6 +68,7 @@ inline float sum_lanes(__m256 v) {
 // work on (cold int4 weights stream about twice as fast with it).
 constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr int64_t AVX2_ROW_BLOCK = 4;  // rows of x per pass over the weights in 256-bit kernels (16 registers)
+constexpr int64_t AVX2_INT4_ROW_BLOCK = 3;  // the 8 code vectors of a half chunk stay in registers
 
 // Calls run(std::integral_constant<int64_t, R>{}, r) for row blocks [r, r + R) of x covering [0, m): R = MAX_R,
 // then one smaller block for the rest (each row block is one pass over the weights).
@@ -91,11 +91,11 @@ void for_row_blocks(int64_t m, Run&& run) {
 // that many columns known at compile time (fully unrolled), 0: `end - begin` columns with a scalar tail.
 template <int64_t R, int64_t GROUP>
 inline void group_dots(const float* x, int64_t ldx, const uint8_t* codes, int64_t begin, int64_t end,
-                       floatx16 (&vec)[R], float (&tail)[R]) {
+                       floatv (&vec)[R], float (&tail)[R]) {
   const int64_t full_end = GROUP > 0 ? begin + GROUP : begin + (end - begin) / LANES * LANES;
 #pragma GCC unroll 8
   for (int64_t i = begin; i < full_end; i += LANES) {
-    const floatx16 w = load_codes(codes + i);
+    const floatv w = load_codes(codes + i);
     for (int64_t r = 0; r < R; ++r) vec[r] += w * load_floats(x + r * ldx + i);
   }
   if (GROUP == 0)
@@ -107,12 +107,12 @@ inline void group_dots(const float* x, int64_t ldx, const uint8_t* codes, int64_
 template <int64_t R, int64_t GROUP>
 inline void dot_rows(const float* x, int64_t ldx, const float* x_sums, int64_t groups, const uint8_t* codes,
                      const float* scales, const float* mins, int64_t k, int64_t group_size, float* y, int64_t ldy) {
-  floatx16 acc[R] = {};
+  floatv acc[R] = {};
   float rest[R] = {};  // min terms and the scalar tail of a last, partial group
   const int64_t whole_groups = k / group_size;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t begin = g * group_size;
-    floatx16 vec[R] = {};
+    floatv vec[R] = {};
     float tail[R] = {};
     if (GROUP > 0 && g < whole_groups)
       group_dots<R, GROUP>(x, ldx, codes, begin, begin + GROUP, vec, tail);
@@ -526,7 +526,7 @@ void int4_rows(const LaneRows& x, int64_t r0, __m256i pick, const uint8_t* packe
       const float zero_point = 8.f * _cvtsh_ss(d[g]) + _cvtsh_ss(mins[g]);
       for (int64_t r = 0; r < R; ++r) rest[r] += zero_point * x.group_sums[(r0 + r) * groups + g];
     }
-    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes(acc[r]) + rest[r];
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes256(acc[r]) + rest[r];
   }
 }
 
@@ -536,7 +536,7 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
   const __m256i pick = _mm256_srlv_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                          _mm256_set1_epi32(__builtin_ctzll(group_size / X_BLOCK)));
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for_row_blocks<AVX2_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+    for_row_blocks<AVX2_INT4_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, begin, end);
     });
   });
@@ -635,7 +635,7 @@ void q8_groups_rows(const int8_t* xq, const float* xs, const float* x_sums, Q8We
       for (; g < groups; ++g)
         for (int64_t r = 0; r < R; ++r) rest[r] += mn[g] * x_sums[r * groups + g];
     }
-    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes(acc[r]) + rest[r];
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes256(acc[r]) + rest[r];
   }
 }
 
