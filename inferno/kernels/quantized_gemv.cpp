@@ -7,8 +7,12 @@
 //    Per output row and group, sum_i W_i x_i = scale * (sum_i q_i x_i) + min * (sum_i x_i): the codes are
 //    converted to float once and multiplied with up to ROW_BLOCK rows of x; the per-group sums of x are
 //    computed once per call. The codes [N, K] stream contiguously, one output row after another; threads split N.
-// 2. `int8_q8_matmul` and `int4_q8_matmul`: int8 / int4 weights times activations quantized to int8 per block of
-//    32 (absmax), integer dot products with AVX-512 VNNI as llama.cpp computes them (see each below).
+// 2. `int8_q8_matmul` and `int4_q8_matmul`: signed int8 groups of 16/32 (optionally with mins) / int4 weights times
+//    activations quantized to int8 per block of 32 (absmax), integer dot products as llama.cpp computes them (see
+//    each below).
+// 3. `int8_q8_dequantize` and `int4_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill.
+// Built with -march=native for the CPU it runs on: AVX-512 VNNI paths, AVX2 paths (Zen 2/3, Haswell on; AVX-VNNI
+// where the compiler defines it), and plain loops for anything else.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -68,7 +72,6 @@ inline float sum_lanes256(__m256 v) {
 // work on (cold int4 weights stream about twice as fast with it).
 constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr int64_t AVX2_ROW_BLOCK = 4;  // rows of x per pass over the weights in 256-bit kernels (16 registers)
-constexpr int64_t AVX2_INT4_ROW_BLOCK = 3;  // the 8 code vectors of a half chunk stay in registers
 
 // Calls run(std::integral_constant<int64_t, R>{}, r) for row blocks [r, r + R) of x covering [0, m): R = MAX_R,
 // then one smaller block for the rest (each row block is one pass over the weights).
@@ -254,13 +257,12 @@ inline int64_t int4_row_bytes(int64_t k, int64_t group_size) { return k / 2 + 4 
 // The 32 codes of block b (of `blocks`) of a row, in column order.
 inline void int4_block_codes(const uint8_t* row, int64_t blocks, int64_t b, uint8_t* codes) {
   const int64_t c = b / CHUNK_BLOCKS, l = b % CHUNK_BLOCKS, nb = std::min(CHUNK_BLOCKS, blocks - c * CHUNK_BLOCKS);
-  const uint8_t* chunk = row + c * CHUNK_BYTES;
-  for (int64_t v = 0; v < 4; ++v)
-    for (int64_t e = 0; e < 4; ++e) {
-      const uint8_t byte = chunk[v * 4 * nb + 4 * l + e];
-      codes[4 * v + e] = byte & 0x0F;
-      codes[16 + 4 * v + e] = byte >> 4;
-    }
+  const uint8_t* chunk = row + c * CHUNK_BYTES + 4 * l;
+  int32_t runs[4];  // the block's 4 bytes of each run: codes 4v..4v+3 (low nibbles), 16+4v.. (high)
+  for (int64_t v = 0; v < 4; ++v) std::memcpy(&runs[v], chunk + v * 4 * nb, 4);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(runs)), low4 = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_and_si128(bytes, low4));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
 }
 
 inline float half_at(const uint8_t* p) {
@@ -536,7 +538,7 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
   const __m256i pick = _mm256_srlv_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                          _mm256_set1_epi32(__builtin_ctzll(group_size / X_BLOCK)));
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for_row_blocks<AVX2_INT4_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+    for_row_blocks<AVX2_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, begin, end);
     });
   });
@@ -718,7 +720,9 @@ at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_si
         for (int64_t b = 0; b < k / X_BLOCK; ++b) {
           int4_block_codes(row, k / X_BLOCK, b, codes);
           const int64_t g = b * X_BLOCK / group_size;
-          for (int64_t i = 0; i < X_BLOCK; ++i) store(out + b * X_BLOCK + i, static_cast<float>(codes[i]) * d[g] + mins[g]);
+          const float scale = d[g], min = mins[g];
+#pragma omp simd
+          for (int64_t i = 0; i < X_BLOCK; ++i) store(out + b * X_BLOCK + i, static_cast<float>(codes[i]) * scale + min);
         }
       }
     });

@@ -24,28 +24,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferno.config import PER_CHANNEL
-from inferno.cpu_features import has_native_bfloat16
+from inferno.cpu_features import cpu_flags, has_native_bfloat16
 from inferno.kernels import quantized_gemv
 
 # The dense GEMMs of prefill and large batches (on dequantized weights): bfloat16 where the CPU has native
 # instructions for it (AVX512-BF16, AMX), float32 elsewhere (AVX2 has none: PyTorch's emulated bfloat16 GEMM is
 # slower than float32 there).
 COMPUTE_DTYPE = torch.bfloat16 if has_native_bfloat16() else torch.float32
-# From this many rows (prefill, large batches), dequantizing the weight once and running the dense bf16 GEMM beats
-# the matrix-vector kernels (3072x576 weight, 512 rows, one core: 41-45 ms `_weight_int8pack_mm` against 4 ms
-# dequantize-then-GEMM; the crossover is near 32 rows). The int4 crossover (96) was measured against PyTorch's int4
-# kernel, not re-measured for the VNNI kernel that replaced it (3.0 ms for the 120 projections of a SmolLM2 step at
-# 1 row, 5.7 ms at 4, 10.3 ms at 8 on 2 cores; benchmarks/kernels.py).
-INT8_DEQUANTIZE_FROM_ROWS = 32
-INT4_DEQUANTIZE_FROM_ROWS = 96
 INT4_CHUNK_BLOCKS = 16  # blocks of 32 columns whose codes the int4 kernel sums in one go
-# The native group-wise int8 kernel against float32 dequantize-then-GEMM, the 4 projections of one SmolLM2 layer on
-# one core: 1 row 0.27 ms against 1.45 ms, 8 rows 1.2 against 2.4, 16 rows 2.41 against 2.48, 32 rows 5.1 against 3.1.
-INT8_GROUP_DEQUANTIZE_FROM_ROWS = 16
 LM_HEAD_GROUP_SIZE = 32  # the int8 LM head: symmetric groups of 32, the GGUF Q8_0 block (exact for it)
-# The int8 x int8 kernel against dequantize-then-bf16-GEMM for the 49152x576 LM head, one core: 1 row 1.3 ms
-# (int8pack_mm 1.7), 64 rows 37 ms against 89, 256 rows 150 against 103.
-Q8_DEQUANTIZE_FROM_ROWS = 160
+# From this many rows (prefill, large batches) the layers dequantize their weight and run the dense GEMM instead of
+# the matrix-vector kernels. The kernels' paths, and the dense dtype, differ per CPU (quantized_gemv.cpp):
+AVX512_KERNELS = {"avx512_vnni", "avx512bw"} <= cpu_flags()
+# - per-channel int8 (`_weight_int8pack_mm`), 3072x576 weight, 512 rows, one core: 41-45 ms against 4 ms
+#   dequantize-then-GEMM; the crossover is near 32 rows.
+INT8_DEQUANTIZE_FROM_ROWS = 32
+# - AVX-512: int4 (96) measured against PyTorch's int4 kernel before the VNNI kernel replaced it; group-wise int8,
+#   the 4 projections of one SmolLM2 layer, one core: 16 rows 2.41 ms against 2.48, 32 rows 5.1 against 3.1; the
+#   Q8_0 LM head (49152x576), one core: 64 rows 37 ms against 89, 256 rows 150 against 103 (bfloat16 GEMM).
+# - AVX2 (float32 GEMM), ms of CPU per decode step of SmolLM2-135M's projections, one thread (benchmarks/
+#   kernels.py --projections --cpu-time): int4 64 rows 259 against 651, 256 rows 963 against 1303; Q8_0 256 rows
+#   1015 against 1102; group-wise int8 64 rows 462 against 478, 128 rows 1048 against 644. Per row the int4 and Q8
+#   kernels cost about what the float32 GEMM does, so the dequantization never pays back below a few hundred rows.
+INT4_DEQUANTIZE_FROM_ROWS = 96 if AVX512_KERNELS else 512
+INT8_GROUP_DEQUANTIZE_FROM_ROWS = 16 if AVX512_KERNELS else 64
+Q8_DEQUANTIZE_FROM_ROWS = 160 if AVX512_KERNELS else 512
 
 
 @dataclass(slots=True)
@@ -278,8 +281,8 @@ class Int4Linear(nn.Module):
     """Group-wise 4-bit weights in the layout of the native `inferno::int4_q8_matmul` (kernels/quantized_gemv.cpp):
     per output row, the codes in chunks of 16 blocks of 32 columns interleaved 4 codes at a time (see `pack_int4`),
     then a float16 scale per group, then a float16 min per group; one contiguous stream per row. Decode-sized
-    batches run the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense bfloat16
-    GEMM on the dequantized weight."""
+    batches run the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense GEMM in
+    COMPUTE_DTYPE on the dequantized weight."""
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None, in_features: int | None = None):
         """`weight` may have columns appended (up to a multiple of the group size) beyond `in_features`; inputs are
