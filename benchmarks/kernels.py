@@ -18,10 +18,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from inferno.kernels import paged_attention, quantized_gemv
 from inferno.layers.attention import Attention, DecodeGroup, block_rows
-from inferno.layers.quantization import Int4Linear, Q8Linear, quantize_groups_symmetric, quantize_int4, quantize_int8
+from inferno.layers.quantization import (COMPUTE_DTYPE, GroupQuantized, Int4Linear, Int8GroupLinear, Q8Groups, Q8Linear,
+                                         quantize_int4, quantize_int8, quantize_q8_symmetric)
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -29,15 +31,18 @@ PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused QKV, O
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time, the CPU time of the (one) thread doing the work
+
+
 def median_time(fn, repeats: int, min_seconds: float = 0.2) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        start, calls = time.perf_counter(), 0
+        start, calls = CLOCK(), 0
         while True:
             fn()
             calls += 1
-            elapsed = time.perf_counter() - start
+            elapsed = CLOCK() - start
             if elapsed >= min_seconds:
                 break
         times.append(elapsed / calls)
@@ -88,7 +93,7 @@ def projections_case(rows: int, repeats: int) -> tuple[float, float]:
 def lm_head_case(rows: int, repeats: int) -> tuple[float, float]:
     """Seconds per call: the Q8_0 x Q8_0 kernel, per-channel `_weight_int8pack_mm`."""
     w = torch.randn(VOCAB, HIDDEN) * 0.05
-    head = Q8Linear(quantize_groups_symmetric(w, 32), HIDDEN)
+    head = Q8Linear(quantize_q8_symmetric(w, 32), HIDDEN)
     codes, scales = quantize_int8(w)
     scales = scales.bfloat16()
     x = torch.randn(rows, HIDDEN).bfloat16()
@@ -96,14 +101,99 @@ def lm_head_case(rows: int, repeats: int) -> tuple[float, float]:
             median_time(lambda: torch._weight_int8pack_mm(x, codes, scales), repeats))
 
 
+# One decode step's projections, per layer: (N, K) of fused QKV, O, fused gate/up, down; layers; the LM head.
+MODELS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
+          "qwen2.5-1.5b": ([(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)], 28, (151936, 1536))}
+TIMED_LAYERS = 4  # weights of 4 layers (>= 100 MB int4 for the 1.5B) stream from memory; times are scaled up
+
+
+def q8_matmul(x: torch.Tensor, weight: Q8Groups) -> torch.Tensor:
+    """`int8_q8_matmul`, also as main's kernel had it before Q8Groups (codes c + 128, symmetric groups of 32)."""
+    op = torch.ops.inferno.int8_q8_matmul
+    if len(op.default._schema.arguments) == 3:
+        return op(x, weight.codes.view(torch.uint8) ^ 128, weight.scales)
+    return op(x, weight.codes, weight.scales, weight.mins, weight.group_size)
+
+
+def random_weights(kind: str, n: int, k: int, g: torch.Generator):
+    """Random codes of `kind` (their values do not change the kernels' time)."""
+    if kind == "int4":
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        return Int4Linear(GroupQuantized(codes, torch.rand(n, k // 32, generator=g) / 50, -torch.rand(n, k // 32) / 5), None)
+    if kind == "int8-group":
+        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+        return Int8GroupLinear(GroupQuantized(codes, torch.rand(n, k // 32) / 500, -torch.rand(n, k // 32) / 5), None)
+    group_size, with_mins = {"q8_0": (32, False), "q5_k": (32, True), "q6_k": (16, False)}[kind]
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    mins = -torch.rand(n, k // group_size) / 5 if with_mins else None
+    return Q8Groups(codes, torch.rand(n, k // group_size) / 500, mins)
+
+
+def kernel_call(kind: str, weight, x: torch.Tensor) -> torch.Tensor:
+    if kind == "int4":
+        return torch.ops.inferno.int4_q8_matmul(x, weight.weight, 32)
+    if kind == "int8-group":
+        return torch.ops.inferno.int8_group_matmul(x, weight.weight, weight.scales, weight.mins, 32)
+    return q8_matmul(x, weight)
+
+
+def dense_call(kind: str, weight, x: torch.Tensor) -> torch.Tensor:
+    """What a layer runs from its crossover on: dequantize to COMPUTE_DTYPE, then the dense GEMM."""
+    if kind == "int8-group":
+        return F.linear(x, weight.dequantize())
+    if kind == "int4":
+        return F.linear(x.to(COMPUTE_DTYPE), weight.dequantize(COMPUTE_DTYPE))
+    return F.linear(x.to(COMPUTE_DTYPE), weight.dequantize().to(COMPUTE_DTYPE))
+
+
+def step_projections(model: str, kind: str, rows: list[int], repeats: int, dense: bool) -> list[tuple]:
+    """(rows, ms per decode step of all layers' projections with the kernel, with dequantize + dense GEMM)."""
+    shapes, layers, _ = MODELS[model]
+    g = torch.Generator().manual_seed(0)
+    weights = [(random_weights(kind, n, k, g), k) for _ in range(TIMED_LAYERS) for n, k in shapes]
+    out = []
+    for m in rows:
+        x = {k: torch.randn(m, k) for _, k in shapes}
+        ours = median_time(lambda: [kernel_call(kind, w, x[k]) for w, k in weights], repeats)
+        theirs = median_time(lambda: [dense_call(kind, w, x[k]) for w, k in weights], 3) if dense else float("nan")
+        out.append((m, ours * layers / TIMED_LAYERS * 1e3, theirs * layers / TIMED_LAYERS * 1e3))
+        print(model, kind, out[-1], flush=True)
+    return out
+
+
+def projections_table(models: list[str], kinds: list[str], rows: list[int], repeats: int, dense: bool) -> str:
+    lines = ["| model | weights | rows | kernel ms/step | dequantize + GEMM ms/step |", "|---|---|---:|---:|---:|"]
+    for model in models:
+        for kind in kinds:
+            for m, ours, theirs in step_projections(model, kind, rows, repeats, dense):
+                lines.append(f"| {model} | {kind} | {m} | {ours:.2f} | {theirs:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")), help="'' to skip")
+    p.add_argument("--projections", nargs="*", choices=list(MODELS), default=None,
+                   help="instead: ms per decode step of these models' projections, kernel against dense")
+    p.add_argument("--kinds", nargs="+", default=["int4", "q8_0", "q5_k", "q6_k", "int8-group"])
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--no-dense", action="store_true", help="skip the dequantize + GEMM column")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one thread, timed by its CPU time (steadier than wall time on a shared machine)")
     args = p.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+        args.threads = [1]
+        torch.set_num_threads(1)
     if paged_attention() is None or quantized_gemv() is None:
         sys.exit("the native kernels could not be built (a C++ compiler is needed)")
+    if args.projections is not None:
+        print(projections_table(args.projections or list(MODELS), args.kinds, args.rows, args.repeats,
+                                not args.no_dense))
+        return
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)

@@ -49,6 +49,12 @@ inline floatx16 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of
 inline floatx16 load16(const c10::Half* p) {
 #if defined(__AVX512F__)
   return (floatx16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  floatx16 v;
+  std::memcpy(&v, halves, sizeof(v));
+  return v;
 #else
   floatx16 v;
   for (int64_t i = 0; i < LANES; ++i) v[i] = static_cast<float>(p[i]);
