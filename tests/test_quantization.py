@@ -15,7 +15,7 @@ from inferno.kernels import quantized_gemv
 from inferno.layers.quantization import (INT8_GROUP_DEQUANTIZE_FROM_ROWS, Q8_DEQUANTIZE_FROM_ROWS, GroupQuantized,
                                          Int4Linear, Int8GroupLinear, Int8Linear, Q8Linear, quantize_groups,
                                          quantize_groups_symmetric, quantize_int4, quantize_int8)
-from inferno.loader.gguf import q4_codes
+from inferno.loader.gguf_blocks import int4_groups
 
 # Prose, code and chat; together ~150 next-token positions for the agreement checks.
 TEXTS = [
@@ -38,7 +38,7 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def gguf_tensor(w: np.ndarray, kind: gguf.GGMLQuantizationType):
-    class Tensor:  # the two fields of gguf.ReaderTensor that q4_codes reads
+    class Tensor:  # a GGUF tensor's raw blocks and type
         data = gguf.quants.quantize(w, kind)
         tensor_type = kind
     return Tensor
@@ -284,7 +284,7 @@ def test_quantize_int4_round_trips_values_on_its_grid():
 def test_gguf_q4_blocks_read_as_codes_match_gguf_dequantize(kind):
     w = np.random.default_rng(0).standard_normal((16, 128)).astype(np.float32)
     tensor = gguf_tensor(w, kind)
-    codes = q4_codes(tensor)
+    codes = int4_groups(tensor.data, kind)
     assert codes.group_size == 32
     np.testing.assert_array_equal(codes.dequantize().numpy(), gguf.quants.dequantize(tensor.data, kind))
 

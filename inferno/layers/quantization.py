@@ -68,6 +68,39 @@ class GroupQuantized:
                               torch.cat([p.mins for p in parts]))
 
 
+@dataclass(slots=True)
+class Q8Groups:
+    """Signed 8-bit codes with a float32 scale, and optionally a min, per group of `K / scales.shape[1]` (16 or 32)
+    input columns: w = codes * scales (+ mins). The GGUF types map onto it exactly (q: the block's stored
+    integers): Q8_0 c=q s=d G=32; Q5_0 c=q-16 s=d G=32; Q5_1 c=q s=d min=m G=32; Q5_K c=q s=d*sc min=-dmin*m
+    G=32; Q6_K c=q-32 s=d*sc G=16; Q4_K c=q s=d*sc min=-dmin*m G=32."""
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K / group] float32
+    mins: torch.Tensor | None  # [N, K / group] float32, or None (symmetric)
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: codes * scales + mins, in float32 and in that order."""
+        n, k = self.codes.shape
+        w = self.codes.view(n, -1, self.group_size).float() * self.scales.unsqueeze(-1)
+        return (w if self.mins is None else w + self.mins.unsqueeze(-1)).view(n, k)
+
+    def map_rows(self, fn) -> "Q8Groups":
+        """Apply a row permutation (e.g. the rotary row order of Q/K) to codes, scales and mins alike."""
+        return Q8Groups(fn(self.codes), fn(self.scales), None if self.mins is None else fn(self.mins))
+
+    @staticmethod
+    def cat(parts: list["Q8Groups"]) -> "Q8Groups":
+        """Stacked along the output rows; a part without mins gets zeros when another has them."""
+        mins = None
+        if any(p.mins is not None for p in parts):
+            mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins for p in parts])
+        return Q8Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> int8 codes [N, K] and per-row scales [N] (w ≈ codes * scale)."""
     scales = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127
