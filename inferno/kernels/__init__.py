@@ -1,5 +1,5 @@
-"""Native CPU kernels, compiled on first use with torch.utils.cpp_extension (cached under
-~/.cache/torch_extensions) and registered as `torch.ops.inferno.*` operators. Without a compiler, or with
+"""Native CPU kernels, compiled on first use with torch.utils.cpp_extension for the CPU they run on
+(`-march=native`, cached under ~/.cache/torch_extensions in a folder named after the CPU) and registered as `torch.ops.inferno.*` operators. Without a compiler, or with
 INFERNO_DISABLE_CPP_KERNELS=1, the plain PyTorch paths are used instead."""
 import functools
 import logging
@@ -8,7 +8,16 @@ from pathlib import Path
 
 import torch
 
+from inferno.cpu_features import cpu_key
+
 logger = logging.getLogger("inferno")
+
+
+def extension_name(name: str) -> str:
+    """`name` keyed by the CPU: a `-march=native` build cached in the home folder, which can outlive the CPU it was
+    built for (a home moved or shared between machines), is rebuilt on another CPU instead of dying there on an
+    illegal instruction."""
+    return f"{name}_{cpu_key()}"
 
 
 def _build(name: str, source: str, fallback: str, extra_cflags: tuple[str, ...] = ()) -> bool:
@@ -17,7 +26,7 @@ def _build(name: str, source: str, fallback: str, extra_cflags: tuple[str, ...] 
         return False
     from torch.utils import cpp_extension
     try:
-        cpp_extension.load(name=name, sources=[str(Path(__file__).with_name(source))],
+        cpp_extension.load(name=extension_name(name), sources=[str(Path(__file__).with_name(source))],
                            extra_cflags=["-O3", "-march=native", *extra_cflags, "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return True
@@ -43,9 +52,9 @@ def paged_attention():
 @functools.cache
 def quantized_gemv():
     """The `torch.ops.inferno` namespace holding `int8_group_matmul` (float32 rows times group-wise int8 weights),
-    `int8_group_dequantize`, `int8_q8_matmul` / `int4_q8_matmul` (rows quantized to int8 times symmetric int8
-    groups of 32 / group-wise int4) and their bfloat16 dequantizers `int8_q8_dequantize` / `int4_dequantize` (see
-    quantized_gemv.cpp), or None when they cannot be built."""
+    `int8_group_dequantize`, `int8_q8_matmul` / `int4_q8_matmul` (rows quantized to int8 times signed int8 groups
+    of 16 or 32 / group-wise int4) and their float32 / bfloat16 dequantizers `int8_q8_dequantize` /
+    `int4_dequantize` (see quantized_gemv.cpp), or None when they cannot be built."""
     if not _build("inferno_quantized_gemv", "quantized_gemv.cpp", "using dequantize + F.linear",
                   ("-ffp-contract=fast",)):
         return None
@@ -59,7 +68,7 @@ def quantized_gemv():
         return scales.new_empty(codes.shape)
 
     @torch.library.register_fake("inferno::int8_q8_matmul")
-    def _(x, codes, scales):
+    def _(x, codes, scales, mins, group_size):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("inferno::int4_q8_matmul")
@@ -67,11 +76,11 @@ def quantized_gemv():
         return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("inferno::int4_dequantize")
-    def _(packed, k, group_size):
-        return packed.new_empty(packed.shape[0], k, dtype=torch.bfloat16)
+    def _(packed, k, group_size, dtype):
+        return packed.new_empty(packed.shape[0], k, dtype=dtype)
 
     @torch.library.register_fake("inferno::int8_q8_dequantize")
-    def _(codes, scales):
-        return codes.new_empty(codes.shape, dtype=torch.bfloat16)
+    def _(codes, scales, mins, group_size, dtype):
+        return scales.new_empty(codes.shape, dtype=dtype)
 
     return torch.ops.inferno

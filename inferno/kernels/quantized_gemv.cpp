@@ -31,6 +31,13 @@ typedef uint8_t bytex16 __attribute__((vector_size(LANES)));
 inline floatx16 load_codes(const uint8_t* p) {
 #if defined(__AVX512F__)
   return (floatx16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m256 halves[2] = {
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+  floatx16 v;
+  std::memcpy(&v, halves, sizeof(v));
+  return v;
 #else  // GCC 12 widens bytes lane by lane here; AVX-512 has one instruction for it
   bytex16 v;
   std::memcpy(&v, p, sizeof(v));
@@ -49,6 +56,19 @@ inline float sum_lanes(floatx16 v) {
   for (int64_t i = 0; i < LANES; ++i) s += v[i];
   return s;
 }
+
+#if defined(__AVX2__)
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// Weights are read once per step, so they come from memory: the kernels prefetch about 2 KB ahead of the row they
+// work on (cold int4 weights stream about twice as fast with it).
+constexpr int64_t PREFETCH_BYTES = 2048;
+constexpr int64_t AVX2_ROW_BLOCK = 4;  // rows of x per pass over the weights in 256-bit kernels (16 registers)
 
 // Calls run(std::integral_constant<int64_t, R>{}, r) for row blocks [r, r + R) of x covering [0, m): R = MAX_R,
 // then one smaller block for the rest (each row block is one pass over the weights).
@@ -250,9 +270,6 @@ inline float half_at(const uint8_t* p) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Weights are read once per step, so they come from memory: the kernels prefetch about 2 KB ahead of the row they
-// work on (cold int4 weights stream about twice as fast with it).
-constexpr int64_t PREFETCH_BYTES = 2048;
 constexpr int64_t VNNI_ROW_BLOCK = 8;  // rows of x per pass over the weights
 
 struct PairVectors {  // per row of x and pair of blocks: the accumulator start and xs, 8 lanes per block
@@ -278,11 +295,12 @@ PairVectors pair_vectors(const QuantizedRows& q, int64_t m, int64_t k) {
 
 // int8: output rows [begin, end) for R rows of x
 template <int64_t R>
-void q8_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, const uint8_t* codes,
+void q8_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, const int8_t* codes,
              const float* scales, float* y, int64_t n, int64_t k, int64_t begin, int64_t end) {
   const int64_t blocks = k / X_BLOCK, pairs = (blocks + 1) / 2;
+  const __m512i flip = _mm512_set1_epi8(-128);  // c xor 0x80 = c + 128 as an unsigned byte
   for (int64_t j = begin; j < end; ++j) {
-    const uint8_t* c = codes + j * k;
+    const int8_t* c = codes + j * k;
     const float* s = scales + j * blocks;
     for (int64_t b = 0; b < k; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + PREFETCH_BYTES + b), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(s + PREFETCH_BYTES / X_BLOCK), _MM_HINT_T0);
@@ -291,7 +309,7 @@ void q8_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, co
     for (int64_t p = 0; p < pairs; ++p) {
       const bool whole = 2 * p + 1 < blocks;
       const __mmask64 bytes = whole ? ~__mmask64{0} : __mmask64{0xFFFFFFFF};
-      const __m512i w = _mm512_maskz_loadu_epi8(bytes, c + p * 2 * X_BLOCK);
+      const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, c + p * 2 * X_BLOCK), flip);  // c + 128
       const __m512 w_scale = _mm512_insertf32x8(_mm512_set1_ps(s[2 * p]), _mm256_set1_ps(whole ? s[2 * p + 1] : 0.f), 1);
       for (int64_t r = 0; r < R; ++r) {
         const __m512i x = _mm512_maskz_loadu_epi8(bytes, xq + r * k + p * 2 * X_BLOCK);
@@ -303,7 +321,7 @@ void q8_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, co
   }
 }
 
-void q8_matmul(const QuantizedRows& q, const uint8_t* codes, const float* scales, float* y, int64_t m, int64_t n,
+void q8_matmul(const QuantizedRows& q, const int8_t* codes, const float* scales, float* y, int64_t m, int64_t n,
                int64_t k) {
   const int64_t pairs = (k / X_BLOCK + 1) / 2;
   const PairVectors v = pair_vectors(q, m, k);
@@ -398,26 +416,132 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
     });
   });
 }
-#else  // the same sums, left to the compiler
-void q8_matmul(const QuantizedRows& q, const uint8_t* codes, const float* scales, float* y, int64_t m, int64_t n,
-               int64_t k) {
-  const int64_t blocks = k / X_BLOCK;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j)
-      for (int64_t r = 0; r < m; ++r) {
-        float acc = 0.f;
-        for (int64_t b = 0; b < blocks; ++b) {
-          int32_t dot = -128 * q.code_sums[r * blocks + b];
-          const uint8_t* c = codes + j * k + b * X_BLOCK;
-          const int8_t* x = q.codes.data() + r * k + b * X_BLOCK;
-          for (int64_t i = 0; i < X_BLOCK; ++i) dot += int32_t{c[i]} * int32_t{x[i]};
-          acc += static_cast<float>(dot) * scales[j * blocks + b] * q.scales[r * blocks + b];
-        }
-        y[r * n + j] = acc;
-      }
-  });
+#elif defined(__AVX2__)
+// With AVX2 (Zen 3, Haswell on): the same chunk layout in 256-bit vectors, 8 blocks per vector (one per 32-bit
+// lane, 4 codes each): a half chunk of 8 blocks is one 32-byte slice of each of the chunk's 4 runs. Unsigned 4-bit
+// codes times signed int8 activations go through _mm256_maddubs_epi16 (two products per 16-bit lane, at most
+// 2 * 15 * 127 = 3810), and the 8 of a block's lane are summed in 16 bits (at most 8 * 3810 = 30480 < 2^15, no
+// saturation) before one _mm256_madd_epi16 widens them: 8 + 7 + 1 instructions for the integer sums of 8 blocks.
+// AVX-VNNI (_mm256_dpbusd_avx_epi32) does it in 8.
+
+// sum over t of 4 products per 32-bit lane, w[t] unsigned 4-bit codes, x[t] signed int8, added to `start`
+inline __m256i int4_lane_dots(__m256i start, const __m256i (&w)[8], const __m256i* x) {
+#if defined(__AVXVNNI__)
+  for (int64_t t = 0; t < 8; ++t) start = _mm256_dpbusd_avx_epi32(start, w[t], x[t]);
+  return start;
+#else
+  __m256i pairs = _mm256_maddubs_epi16(w[0], x[0]);
+  for (int64_t t = 1; t < 8; ++t) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[t], x[t]));
+  return _mm256_add_epi32(start, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
 
+struct LaneRows {  // the rows of x in the int4 chunk layout, per row and half chunk of 8 blocks (h = block / 8):
+  std::vector<__m256i> codes;   // [M, halves, 8]: 8 vectors, lane l holding 4 codes of block 8h + l (0 past the end)
+  std::vector<__m256i> starts;  // [M, halves]: -8 * (sum of the block's codes) in its lane
+  std::vector<__m256> scales;   // [M, halves]: xs of the block in its lane
+  std::vector<float> group_sums;  // [M, groups]: sums of the float values
+};
+
+LaneRows lane_rows(const QuantizedRows& q, int64_t m, int64_t k, int64_t group_size) {
+  const int64_t blocks = k / X_BLOCK, halves = (blocks + 7) / 8, per_group = group_size / X_BLOCK;
+  LaneRows x{std::vector<__m256i>(m * halves * 8, _mm256_setzero_si256()),
+             std::vector<__m256i>(m * halves, _mm256_setzero_si256()),
+             std::vector<__m256>(m * halves, _mm256_setzero_ps()), std::vector<float>(m * k / group_size, 0.f)};
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t h = r * halves + b / 8, l = b % 8, rb = r * blocks + b;
+      auto* lanes = reinterpret_cast<int32_t*>(x.codes.data() + h * 8);
+      for (int64_t t = 0; t < 8; ++t) std::memcpy(&lanes[t * 8 + l], &q.codes[rb * X_BLOCK + 4 * t], 4);
+      reinterpret_cast<int32_t*>(&x.starts[h])[l] = -8 * q.code_sums[rb];
+      reinterpret_cast<float*>(&x.scales[h])[l] = q.scales[rb];
+      x.group_sums[rb / per_group] += q.sums[rb];
+    }
+  return x;
+}
+
+// The scales d of the groups of one half chunk (from d[0]), spread to its blocks' lanes by `pick`; lanes past
+// `live` blocks are 0. Reading 8 float16 from d stays in the row when `fits` (the mins follow the scales).
+inline __m256 half_chunk_scales(const uint16_t* d, bool fits, int64_t live, int64_t per_group, __m256i pick) {
+  __m128i halves;
+  if (fits) {
+    halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d));
+  } else {
+    uint16_t buf[8] = {};
+    std::memcpy(buf, d, (live / per_group) * sizeof(uint16_t));
+    halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  const __m256 spread = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(halves), pick);
+  if (live == 8) return spread;
+  const __m256i alive = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_and_ps(spread, _mm256_castsi256_ps(alive));
+}
+
+// int4: output rows [begin, end) for R rows of x (from row r0 of `x`), the sums of the AVX-512 kernel above.
+template <int64_t R>
+void int4_rows(const LaneRows& x, int64_t r0, __m256i pick, const uint8_t* packed, float* y, int64_t n, int64_t k,
+               int64_t group_size, int64_t begin, int64_t end) {
+  const int64_t blocks = k / X_BLOCK, halves = (blocks + 7) / 8, groups = k / group_size;
+  const int64_t per_group = group_size / X_BLOCK, row_bytes = int4_row_bytes(k, group_size);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = packed + j * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + b), _MM_HINT_T0);
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(row + k / 2);
+    const uint16_t* mins = d + groups;
+    __m256 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t h = 0; h < halves; ++h) {
+      const int64_t c = h / 2, nb = std::min(CHUNK_BLOCKS, blocks - c * CHUNK_BLOCKS);
+      const int64_t live = std::min<int64_t>(8, blocks - 8 * h), g0 = 8 * h / per_group;
+      const __m256 d_blocks = half_chunk_scales(d + g0, g0 + 8 <= 2 * groups, live, per_group, pick);
+      const uint8_t* half = row + c * CHUNK_BYTES + 32 * (h % 2);
+      const __m256i live_lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256i w[8];
+      for (int64_t v = 0; v < 4; ++v) {
+        const int32_t* run = reinterpret_cast<const int32_t*>(half + v * 4 * nb);
+        const __m256i bytes = live == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run))
+                                        : _mm256_maskload_epi32(run, live_lanes);
+        w[v] = _mm256_and_si256(bytes, low4);
+        w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t rh = (r0 + r) * halves + h;
+        const __m256i dot = int4_lane_dots(x.starts[rh], w, x.codes.data() + rh * 8);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d_blocks, x.scales[rh]), acc[r]);
+      }
+    }
+    // the zero points: sum_g (min_g + 8 d_g) * sum_{k in g} x
+    float rest[R] = {};
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      const __m256 zero_point = _mm256_fmadd_ps(
+          _mm256_set1_ps(8.f), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g))));
+      for (int64_t r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(zero_point, _mm256_loadu_ps(x.group_sums.data() + (r0 + r) * groups + g), acc[r]);
+    }
+    for (; g < groups; ++g) {
+      const float zero_point = 8.f * _cvtsh_ss(d[g]) + _cvtsh_ss(mins[g]);
+      for (int64_t r = 0; r < R; ++r) rest[r] += zero_point * x.group_sums[(r0 + r) * groups + g];
+    }
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes(acc[r]) + rest[r];
+  }
+}
+
+void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
+                 int64_t group_size) {
+  const LaneRows x = lane_rows(q, m, k, group_size);
+  const __m256i pick = _mm256_srlv_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                         _mm256_set1_epi32(__builtin_ctzll(group_size / X_BLOCK)));
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for_row_blocks<AVX2_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, begin, end);
+    });
+  });
+}
+#else  // the same sums, left to the compiler
 void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
                  int64_t group_size) {
   const int64_t blocks = k / X_BLOCK, groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
@@ -445,79 +569,217 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
 }
 #endif
 
-// ---- dequantization to bfloat16, for the dense GEMM of prefill and large batches ----
+// ---- signed int8 groups of 16 or 32 (Q8Groups) times activations quantized to int8 per block of 32 ----
+//   sum_k w x = sum_b xs_b * sum_{g in b} s_g * (sum_{k in g} c xq) + sum_g min_g * sum_{k in g} x
+// One x block holds one group of 32 or two of 16. The AVX-512 kernel above runs symmetric groups of 32 (Q8_0);
+// the rest, and everything on AVX2, runs the 256-bit kernel below (llama.cpp's way: |w| times x with w's sign,
+// unsigned x signed bytes, 2 * 128 * 127 < 2^15 per 16-bit lane).
+struct Q8Weights {
+  const int8_t* codes;  // [N, K]
+  const float* scales;  // [N, K / G]
+  const float* mins;    // [N, K / G] or nullptr
+};
+
+std::vector<float> x_group_sums(const float* x, int64_t m, int64_t k, int64_t group_size) {
+  std::vector<float> sums(m * k / group_size, 0.f);
+  for (int64_t i = 0; i < m * k; ++i) sums[i / group_size] += x[i];
+  return sums;
+}
+
+#if defined(__AVX2__)
+inline __m256i signed_dots(__m256i w, __m256i x) {  // per 32-bit lane, the sum of 4 products w * x of int8
+  const __m256i w_abs = _mm256_sign_epi8(w, w), x_signed = _mm256_sign_epi8(x, w);
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w_abs, x_signed);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, x_signed);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x_signed), _mm256_set1_epi16(1));
+#endif
+}
+
+// output rows [begin, end) for R rows of x (xq, xs: from that row on; x_sums per group of G, only with mins)
+template <int64_t R, int64_t G>
+void q8_groups_rows(const int8_t* xq, const float* xs, const float* x_sums, Q8Weights wt, float* y, int64_t n,
+                    int64_t k, int64_t begin, int64_t end) {
+  const int64_t blocks = k / X_BLOCK, groups = k / G;
+  const __m256i two_groups = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // G = 16: lanes 0-3 and 4-7
+  for (int64_t j = begin; j < end; ++j) {
+    const int8_t* c = wt.codes + j * k;
+    const float* s = wt.scales + j * groups;
+    for (int64_t b = 0; b < k; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + PREFETCH_BYTES + b), _MM_HINT_T0);
+    __m256 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + b * X_BLOCK));
+      __m256 w_scale;
+      if constexpr (G == 32) {
+        w_scale = _mm256_broadcast_ss(s + b);
+      } else {
+        const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s + 2 * b)));
+        w_scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), two_groups);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * X_BLOCK));
+        const __m256 scale = _mm256_mul_ps(w_scale, _mm256_broadcast_ss(xs + r * blocks + b));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(signed_dots(w, x)), scale, acc[r]);
+      }
+    }
+    float rest[R] = {};
+    if (wt.mins != nullptr) {
+      const float* mn = wt.mins + j * groups;
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8)
+        for (int64_t r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(x_sums + r * groups + g), acc[r]);
+      for (; g < groups; ++g)
+        for (int64_t r = 0; r < R; ++r) rest[r] += mn[g] * x_sums[r * groups + g];
+    }
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes(acc[r]) + rest[r];
+  }
+}
+
+void q8_groups_matmul(const QuantizedRows& q, const float* x_sums, Q8Weights wt, float* y, int64_t m, int64_t n,
+                      int64_t k, int64_t group_size) {
+  const int64_t blocks = k / X_BLOCK, groups = k / group_size;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for_row_blocks<AVX2_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      constexpr int64_t R = decltype(rows)::value;
+      const auto run = group_size == 32 ? q8_groups_rows<R, 32> : q8_groups_rows<R, 16>;
+      run(q.codes.data() + r * k, q.scales.data() + r * blocks, x_sums + r * groups, wt, y + r * n, n, k, begin, end);
+    });
+  });
+}
+#else  // the same sums, left to the compiler
+void q8_groups_matmul(const QuantizedRows& q, const float* x_sums, Q8Weights wt, float* y, int64_t m, int64_t n,
+                      int64_t k, int64_t group_size) {
+  const int64_t blocks = k / X_BLOCK, groups = k / group_size;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t r = 0; r < m; ++r) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int8_t* c = wt.codes + j * k + g * group_size;
+          const int8_t* x = q.codes.data() + r * k + g * group_size;
+          int32_t dot = 0;
+          for (int64_t i = 0; i < group_size; ++i) dot += int32_t{c[i]} * int32_t{x[i]};
+          acc += static_cast<float>(dot) * wt.scales[j * groups + g] * q.scales[r * blocks + g * group_size / X_BLOCK];
+          if (wt.mins != nullptr) acc += wt.mins[j * groups + g] * x_sums[r * groups + g];
+        }
+        y[r * n + j] = acc;
+      }
+  });
+}
+#endif
+
+// ---- dequantization to float32 or bfloat16, for the dense GEMM of prefill and large batches ----
+// In float32 as written, product then sum, never fused (as PyTorch and gguf's numpy compute them).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 inline uint16_t to_bfloat16(float x) {  // round to nearest even (weights are finite)
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-// packed [N, int4_row_bytes] uint8 -> W [N, K] bfloat16, w = code * d + min computed in float32
-at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size) {
+inline void store(float* out, float w) { *out = w; }
+inline void store(uint16_t* out, float w) { *out = to_bfloat16(w); }
+
+// Runs fill(Out* w) with the data of a new [n, k] tensor of `dtype` (float32 or bfloat16).
+template <typename Fill>
+at::Tensor dequantized(int64_t n, int64_t k, at::ScalarType dtype, const at::TensorOptions& options, Fill&& fill) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
+  auto w = at::empty({n, k}, options.dtype(dtype));
+  if (dtype == at::kFloat) fill(w.data_ptr<float>());
+  else fill(reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()));
+  return w;
+}
+
+// packed [N, int4_row_bytes] uint8 -> W [N, K], w = code * d + min computed in float32
+at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size, at::ScalarType dtype) {
   TORCH_CHECK(group_size % X_BLOCK == 0 && k % group_size == 0,
               "group_size must be a multiple of 32 and k of group_size, got ", group_size, " and ", k);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(1) == int4_row_bytes(k, group_size),
               "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
   const int64_t n = packed.size(0), groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
-  auto w = at::empty({n, k}, packed.options().dtype(at::kBFloat16));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> d(groups), mins(groups);
-    for (int64_t j = begin; j < end; ++j) {
-      const uint8_t* row = pp + j * row_bytes;
-      const at::Half* halves = reinterpret_cast<const at::Half*>(row + k / 2);
-      for (int64_t g = 0; g < groups; ++g) {
-        d[g] = static_cast<float>(halves[g]);
-        mins[g] = static_cast<float>(halves[groups + g]);
+  return dequantized(n, k, dtype, packed.options(), [&](auto* wp) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> d(groups), mins(groups);
+      for (int64_t j = begin; j < end; ++j) {
+        const uint8_t* row = pp + j * row_bytes;
+        for (int64_t g = 0; g < groups; ++g) {
+          d[g] = half_at(row + k / 2 + 2 * g);
+          mins[g] = half_at(row + k / 2 + 2 * (groups + g));
+        }
+        auto* out = wp + j * k;
+        uint8_t codes[X_BLOCK];
+        for (int64_t b = 0; b < k / X_BLOCK; ++b) {
+          int4_block_codes(row, k / X_BLOCK, b, codes);
+          const int64_t g = b * X_BLOCK / group_size;
+          for (int64_t i = 0; i < X_BLOCK; ++i) store(out + b * X_BLOCK + i, static_cast<float>(codes[i]) * d[g] + mins[g]);
+        }
       }
-      uint16_t* out = wp + j * k;
-      uint8_t codes[X_BLOCK];
-      for (int64_t b = 0; b < k / X_BLOCK; ++b) {
-        int4_block_codes(row, k / X_BLOCK, b, codes);
-        const int64_t g = b * X_BLOCK / group_size;
-        for (int64_t i = 0; i < X_BLOCK; ++i)
-          out[b * X_BLOCK + i] = to_bfloat16(static_cast<float>(codes[i]) * d[g] + mins[g]);
-      }
-    }
+    });
   });
-  return w;
 }
 
-// codes [N, K] uint8 (c + 128); scales [N, K / 32] float32 -> W [N, K] bfloat16
-at::Tensor int8_q8_dequantize(const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-              codes.size(1) % X_BLOCK == 0, "codes must be 2-D, uint8, contiguous, a multiple of 32 columns");
-  const int64_t n = codes.size(0), k = codes.size(1), blocks = k / X_BLOCK;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == n && scales.size(1) == blocks, "scales must be float32 [", n, ", ", blocks, "]");
-  auto w = at::empty({n, k}, codes.options().dtype(at::kBFloat16));
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, n * blocks, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t i = 0; i < X_BLOCK; ++i)
-        wp[b * X_BLOCK + i] = to_bfloat16(static_cast<float>(static_cast<int32_t>(cp[b * X_BLOCK + i]) - 128) * sp[b]);
-  });
-  return w;
+void check_q8_weight(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                     int64_t group_size) {
+  TORCH_CHECK(group_size == 16 || group_size == 32, "group_size must be 16 or 32, got ", group_size);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+              codes.size(1) % X_BLOCK == 0, "codes must be 2-D, int8, contiguous, a multiple of 32 columns");
+  const int64_t n = codes.size(0), groups = codes.size(1) / group_size;
+  for (const at::Tensor* t : {&scales, mins ? &*mins : nullptr})
+    TORCH_CHECK(t == nullptr || (t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                                 t->size(0) == n && t->size(1) == groups),
+                "scales and mins must be float32 [", n, ", ", groups, "]");
 }
 
-// x [M, K] float32; codes [N, K] uint8 (c + 128); scales [N, K / 32] float32 -> [M, N] float32
-at::Tensor int8_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+Q8Weights q8_weights(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
+  return {codes.data_ptr<int8_t>(), scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr};
+}
+
+// codes [N, K] int8; scales, mins [N, K / group_size] float32 -> W [N, K] = codes * scales (+ mins) in float32
+at::Tensor int8_q8_dequantize(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                              int64_t group_size, at::ScalarType dtype) {
+  check_q8_weight(codes, scales, mins, group_size);
+  const int64_t n = codes.size(0), k = codes.size(1), groups = k / group_size;
+  const Q8Weights wt = q8_weights(codes, scales, mins);
+  return dequantized(n, k, dtype, scales.options(), [&](auto* wp) {
+    at::parallel_for(0, n * groups, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const float scale = wt.scales[g], min = wt.mins ? wt.mins[g] : 0.f;
+        for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i)
+          store(wp + i, wt.mins ? static_cast<float>(wt.codes[i]) * scale + min : static_cast<float>(wt.codes[i]) * scale);
+      }
+    });
+  });
+}
+
+#pragma GCC pop_options
+
+// x [M, K] float32; codes [N, K] int8; scales, mins [N, K / group_size] float32 -> [M, N] float32
+at::Tensor int8_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "codes must be 2-D, uint8, contiguous");
+  check_q8_weight(codes, scales, mins, group_size);
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(codes.size(1) == k && k % X_BLOCK == 0, "x and codes need the same columns, a multiple of 32; got ",
-              k, " and ", codes.size(1));
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == n && scales.size(1) == k / X_BLOCK, "scales must be float32 [", n, ", ", k / X_BLOCK, "]");
+  TORCH_CHECK(codes.size(1) == k, "x has ", k, " columns but codes have ", codes.size(1));
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  q8_matmul(quantize_rows(x.data_ptr<float>(), m, k), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-            y.data_ptr<float>(), m, n, k);
+  const float* xp = x.data_ptr<float>();
+  const QuantizedRows q = quantize_rows(xp, m, k);
+  const Q8Weights wt = q8_weights(codes, scales, mins);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (group_size == 32 && !mins) {
+    q8_matmul(q, wt.codes, wt.scales, y.data_ptr<float>(), m, n, k);
+    return y;
+  }
+#endif
+  const std::vector<float> x_sums = mins ? x_group_sums(xp, m, k, group_size) : std::vector<float>();
+  q8_groups_matmul(q, x_sums.data(), wt, y.data_ptr<float>(), m, n, k, group_size);
   return y;
 }
 
@@ -544,10 +806,10 @@ at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("int8_group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
   m.def("int8_group_dequantize(Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
-  m.def("int8_q8_matmul(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("int8_q8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group_size) -> Tensor");
   m.def("int4_q8_matmul(Tensor x, Tensor packed, int group_size) -> Tensor");
-  m.def("int4_dequantize(Tensor packed, int k, int group_size) -> Tensor");
-  m.def("int8_q8_dequantize(Tensor codes, Tensor scales) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, int k, int group_size, ScalarType dtype) -> Tensor");
+  m.def("int8_q8_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group_size, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {

@@ -9,11 +9,13 @@
 - int4: group-wise unsigned 4-bit with a float16 scale and min per group (w = q * scale + min, the GGUF Q4_0/Q4_1
   block form), the native `inferno::int4_q8_matmul` kernel, whose activations are quantized to int8 per block of
   32 for integer dot products (as llama.cpp computes Q4 x Q8).
-- The LM head of the int4 and per-channel int8 models: symmetric int8 groups of 32 (Q8_0) through
-  `inferno::int8_q8_matmul`.
+- Q8 (`Q8Linear`): signed int8 codes with a float32 scale (and optionally a min) per group of 16 or 32 columns
+  (`Q8Groups`, which the GGUF Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks hold exactly), activations quantized to int8
+  per block of 32, the native `inferno::int8_q8_matmul`. Also the LM head of the int4 and per-channel int8 models
+  (symmetric groups of 32, Q8_0).
 
 Every layer returns the caller's dtype; from a row count per kind (prefill, large batches) the weight is
-dequantized once and a dense GEMM runs instead of the matrix-vector kernels.
+dequantized once and a dense GEMM runs in COMPUTE_DTYPE instead of the matrix-vector kernels.
 """
 from dataclasses import dataclass
 
@@ -22,9 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferno.config import PER_CHANNEL
+from inferno.cpu_features import has_native_bfloat16
 from inferno.kernels import quantized_gemv
 
-COMPUTE_DTYPE = torch.bfloat16
+# The dense GEMMs of prefill and large batches (on dequantized weights): bfloat16 where the CPU has native
+# instructions for it (AVX512-BF16, AMX), float32 elsewhere (AVX2 has none: PyTorch's emulated bfloat16 GEMM is
+# slower than float32 there).
+COMPUTE_DTYPE = torch.bfloat16 if has_native_bfloat16() else torch.float32
 # From this many rows (prefill, large batches), dequantizing the weight once and running the dense bf16 GEMM beats
 # the matrix-vector kernels (3072x576 weight, 512 rows, one core: 41-45 ms `_weight_int8pack_mm` against 4 ms
 # dequantize-then-GEMM; the crossover is near 32 rows). The int4 crossover (96) was measured against PyTorch's int4
@@ -129,14 +135,20 @@ def quantize_groups(w: torch.Tensor, group_size: int, bits: int) -> GroupQuantiz
 
 
 def quantize_groups_symmetric(w: torch.Tensor, group_size: int) -> GroupQuantized:
-    """[N, K] float -> absmax 8-bit groups (w = c * scale, c in [-127, 127]) stored as codes c + 128 with
-    min = -128 * scale. GGUF Q8_0 blocks (absmax / 127 per 32) come back exactly with group_size 32."""
+    """quantize_q8_symmetric's groups as unsigned codes c + 128 with min = -128 * scale."""
+    q = quantize_q8_symmetric(w, group_size)
+    return GroupQuantized((q.codes.short() + 128).to(torch.uint8), q.scales, -128 * q.scales)
+
+
+def quantize_q8_symmetric(w: torch.Tensor, group_size: int) -> Q8Groups:
+    """[N, K] float -> absmax int8 groups (w = c * scale, c in [-127, 127]), K padded up to a multiple of
+    group_size (pad_to_groups). GGUF Q8_0 blocks (absmax / 127 per 32) come back exactly with group_size 32."""
     w = pad_to_groups(w.float(), group_size)
     n, k = w.shape
     groups = w.view(n, k // group_size, group_size)
     scales = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-12)
-    codes = torch.round(groups / scales.unsqueeze(-1)).clamp(-127, 127) + 128
-    return GroupQuantized(codes.to(torch.uint8).view(n, k), scales, -128 * scales)
+    codes = torch.round(groups / scales.unsqueeze(-1)).clamp(-127, 127)
+    return Q8Groups(codes.to(torch.int8).view(n, k), scales, None)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> GroupQuantized:
@@ -149,7 +161,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.register_buffer("weight", codes.contiguous())
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))
+        self.register_buffer("scales", scales.bfloat16())  # _weight_int8pack_mm is fast with bfloat16 only
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -158,11 +170,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
+        x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] >= INT8_DEQUANTIZE_FROM_ROWS:
-            y = F.linear(x2, self.weight.to(COMPUTE_DTYPE) * self.scales.unsqueeze(1))
+            w = self.weight.to(COMPUTE_DTYPE) * self.scales.to(COMPUTE_DTYPE).unsqueeze(1)
+            y = F.linear(x2.to(COMPUTE_DTYPE), w)
         else:
-            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+            y = torch._weight_int8pack_mm(x2.bfloat16(), self.weight, self.scales)
         y = y.view(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -211,39 +224,54 @@ class Int8GroupLinear(nn.Module):
 
 
 class Q8Linear(nn.Module):
-    """Symmetric int8 groups of 32 (the GGUF Q8_0 block, exact for it) times activations quantized the same way,
-    as llama.cpp computes: the integer dot products of the native `inferno::int8_q8_matmul` (AVX-512 VNNI) up to
-    Q8_DEQUANTIZE_FROM_ROWS rows, dequantize-then-GEMM in bfloat16 beyond that or without the native kernels.
-    The LM head of the int4 and per-channel int8 models: the largest single weight a decode step reads."""
+    """Signed int8 codes with a float32 scale (and optionally a min) per group of 16 or 32 input columns
+    (`Q8Groups`: the GGUF Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks hold exactly), times activations quantized to
+    int8 per block of 32, as llama.cpp computes: the integer dot products of the native `inferno::int8_q8_matmul`
+    up to Q8_DEQUANTIZE_FROM_ROWS rows, dequantize-then-GEMM in COMPUTE_DTYPE beyond that or without the native
+    kernels. Also the LM head of the int4 and per-channel int8 models (symmetric groups of 32)."""
 
-    def __init__(self, weight: GroupQuantized, in_features: int):
+    def __init__(self, weight: Q8Groups, in_features: int, bias: torch.Tensor | None = None):
+        """`weight` may have columns appended beyond `in_features` (up to a multiple of 32): inputs are zero-padded
+        alike, so those columns add nothing."""
         super().__init__()
-        assert weight.group_size == LM_HEAD_GROUP_SIZE
+        if weight.group_size not in (16, 32) or weight.codes.shape[1] % 32:
+            raise ValueError(f"Q8Linear takes groups of 16 or 32 and a multiple of 32 columns, got groups of "
+                             f"{weight.group_size} and {weight.codes.shape[1]} columns")
         self.out_features, self.in_features = weight.codes.shape[0], in_features
-        self.register_buffer("weight", weight.codes.contiguous())  # c + 128, c in [-127, 127]
+        self.padded_in_features, self.group_size = weight.codes.shape[1], weight.group_size
+        self.register_buffer("weight", weight.codes.contiguous())
         self.register_buffer("scales", weight.scales.float().contiguous())
-        self.native = quantized_gemv() is not None and in_features % LM_HEAD_GROUP_SIZE == 0
+        self.register_buffer("mins", None if weight.mins is None else weight.mins.float().contiguous())
+        self.register_buffer("bias", bias)
+        self.native = quantized_gemv() is not None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> "Q8Linear":
-        return cls(quantize_groups_symmetric(weight.detach(), LM_HEAD_GROUP_SIZE), weight.shape[1])
+        """Symmetric groups of LM_HEAD_GROUP_SIZE (absmax / 127): the GGUF Q8_0 block, exact for it."""
+        return cls(quantize_q8_symmetric(weight.detach(), LM_HEAD_GROUP_SIZE), weight.shape[1])
+
+    @property
+    def q8_groups(self) -> Q8Groups:
+        return Q8Groups(self.weight, self.scales, self.mins)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in `dtype`."""
-        if self.native and dtype == torch.bfloat16:
-            return torch.ops.inferno.int8_q8_dequantize(self.weight, self.scales)
-        n, groups = self.scales.shape
-        codes = self.weight.view(n, groups, LM_HEAD_GROUP_SIZE).to(dtype) - 128  # exact in bfloat16 too
-        return (codes * self.scales.to(dtype).unsqueeze(-1)).view(n, -1)[:, :self.in_features]
+        """[N, padded K] in `dtype`, computed in float32 (codes * scales + mins) and rounded once."""
+        if self.native and dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.inferno.int8_q8_dequantize(self.weight, self.scales, self.mins, self.group_size, dtype)
+        return self.q8_groups.dequantize().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.padded_in_features != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
         if self.native and x2.shape[0] < Q8_DEQUANTIZE_FROM_ROWS:
-            y = torch.ops.inferno.int8_q8_matmul(x2.float().contiguous(), self.weight, self.scales)
+            y = torch.ops.inferno.int8_q8_matmul(x2.float().contiguous(), self.weight, self.scales, self.mins,
+                                                 self.group_size)
         else:
             y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(nn.Module):
@@ -274,8 +302,8 @@ class Int4Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, padded K] in `dtype` (computed in float32)."""
         n, k = self.out_features, self.padded_in_features
-        if self.native and dtype == torch.bfloat16:
-            return torch.ops.inferno.int4_dequantize(self.weight, k, self.group_size)
+        if self.native and dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.inferno.int4_dequantize(self.weight, k, self.group_size, dtype)
         groups = k // self.group_size
         codes = unpack_int4(self.weight[:, :k // 2]).view(n, groups, self.group_size)
         halves = self.weight[:, k // 2:].contiguous().view(torch.float16).float()  # [N, 2 * groups]

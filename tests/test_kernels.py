@@ -1,0 +1,177 @@
+"""The native quantized kernels, whichever path this CPU builds (AVX-512 VNNI, AVX2 (+AVX-VNNI) or plain loops),
+against float32/float64 PyTorch references: every row count of a decode step and more, output rows that fill no
+whole thread chunk or row block, columns ending in a partial chunk, every group size, with and without mins,
+extreme codes; the builds are keyed by the CPU."""
+import pytest
+import torch
+
+from inferno.cpu_features import cpu_key, has_native_bfloat16
+from inferno.kernels import extension_name, quantized_gemv
+from inferno.layers import quantization
+from inferno.layers.quantization import Int4Linear, Q8Groups, Q8Linear, quantize_int4, quantize_q8_symmetric
+
+needs_kernel = pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17]
+
+
+def quantize_rows_like_q8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded the way the kernels quantize it: absmax / 127 per block of 32, to nearest (ties to even)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    codes = torch.where(amax > 0, torch.round(blocks * (127 / amax)), 0)
+    return (codes * (amax / 127)).view_as(x)
+
+
+def random_q8_groups(n: int, k: int, group_size: int, with_mins: bool, seed: int) -> Q8Groups:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    codes[0, :32] = 127  # extreme codes: both ends of the range
+    codes[-1, -32:] = -128
+    scales = torch.rand(n, k // group_size, generator=g) / 50
+    mins = -torch.rand(n, k // group_size, generator=g) / 5 if with_mins else None
+    return Q8Groups(codes, scales, mins)
+
+
+def assert_close_to(y: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-5) -> None:
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("group_size", [16, 32])
+@pytest.mark.parametrize("with_mins", [False, True])
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n, k", [(67, 96), (130, 1536)])  # N: no whole thread chunk / row block; K: 3 and 48 blocks
+def test_q8_kernel_matches_float_sums_of_the_quantized_rows(m, n, k, group_size, with_mins):
+    weight = random_q8_groups(n, k, group_size, with_mins, seed=m * n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[0, 32:64] = 0  # an all-zero block has scale 0
+    x[-1, :32] = 3.0  # every activation code 127 against the extreme weight codes
+    y = quantized_gemv().int8_q8_matmul(x, weight.codes, weight.scales, weight.mins, group_size)
+    w = weight.dequantize().double()
+    ref = quantize_rows_like_q8(x).double() @ w.t()
+    if with_mins:  # the min terms take the float sums of x, not of its int8 rounding
+        mins = weight.mins.double().repeat_interleave(group_size, dim=1)
+        ref += (x.double() - quantize_rows_like_q8(x).double()) @ mins.t()
+    assert_close_to(y, ref)
+
+
+@needs_kernel
+def test_q8_kernel_rejects_bad_inputs():
+    weight = random_q8_groups(16, 64, 32, with_mins=True, seed=0)
+    kernel = quantized_gemv().int8_q8_matmul
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="group_size must be 16 or 32"):
+        kernel(x, weight.codes, weight.scales, weight.mins, 64)
+    with pytest.raises(RuntimeError, match="codes must be 2-D, int8"):
+        kernel(x, weight.codes.view(torch.uint8), weight.scales, weight.mins, 32)
+    with pytest.raises(RuntimeError, match="scales and mins must be float32"):
+        kernel(x, weight.codes, weight.scales, weight.mins[:, :1].contiguous(), 32)
+    with pytest.raises(RuntimeError, match="scales and mins must be float32"):
+        kernel(x, weight.codes, weight.scales, None, 16)  # groups of 16 need 4 scales per row
+    with pytest.raises(RuntimeError, match="x has 32 columns but codes have 64"):
+        kernel(x[:, :32].contiguous(), weight.codes, weight.scales, None, 32)
+    assert kernel(torch.randn(0, 64), weight.codes, weight.scales, None, 32).shape == (0, 16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group_size", [16, 32])
+@pytest.mark.parametrize("with_mins", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_dequantizer_computes_codes_times_scales_plus_mins_in_float32(group_size, with_mins, dtype):
+    weight = random_q8_groups(70, 640, group_size, with_mins, seed=group_size)
+    w = quantized_gemv().int8_q8_dequantize(weight.codes, weight.scales, weight.mins, group_size, dtype)
+    assert w.dtype == dtype and torch.equal(w, weight.dequantize().to(dtype))
+
+
+def int4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """Per block d * xs * sum (c - 8) xq, plus per group (min + 8 d) times the exact sum of x, in float64."""
+    n, k, group_size = layer.out_features, layer.padded_in_features, layer.group_size
+    w = layer.dequantize().double().view(n, -1, group_size)
+    halves = layer.weight[:, k // 2:].contiguous().view(torch.float16).double()
+    scales, mins = halves[:, :k // group_size, None], halves[:, k // group_size:, None]
+    zero_points = (mins + 8 * scales).expand_as(w).reshape(n, k)
+    return quantize_rows_like_q8(x).double() @ (w.view(n, k) - zero_points).t() + x.double() @ zero_points.t()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("k, group_size", [
+    (160, 32),  # 5 blocks: one partial chunk, one partial half
+    (608, 32),  # 19 blocks: a chunk of 16 and one of 3
+    (864, 32),  # 27 blocks: a chunk of 16 and one of 11 (a whole half and a partial one)
+    (704, 64),  # 22 blocks: a last chunk of 6
+    (896, 128),  # 28 blocks: a last chunk of 12
+    (1536, 64),  # whole chunks only
+])
+def test_int4_kernel_matches_the_sums_it_promises(m, k, group_size):
+    n = 37  # no whole thread chunk of 16
+    torch.manual_seed(m * k + group_size)
+    weight = quantize_int4(torch.randn(n, k), group_size)
+    weight.codes[0] = 15  # extreme codes against extreme activations
+    weight.codes[1] = 0
+    layer = Int4Linear(weight, None)
+    x = torch.randn(m, k)
+    x[0, 32:64] = 0  # an all-zero block has scale 0
+    x[-1] = 2.0  # every activation code 127: the 16-bit sums of the AVX2 kernel at their largest
+    y = quantized_gemv().int4_q8_matmul(x, layer.weight, group_size)
+    assert_close_to(y, int4_reference(layer, x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_dequantizer_matches_torch(group_size, dtype):
+    layer = Int4Linear(quantize_int4(torch.randn(70, 640), group_size), None)
+    native = layer.dequantize(dtype)
+    layer.native = False
+    assert native.dtype == dtype and torch.equal(native, layer.dequantize(dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 6, quantization.Q8_DEQUANTIZE_FROM_ROWS + 1])  # the last: dense GEMM
+@pytest.mark.parametrize("group_size, with_mins", [(32, False), (16, False), (32, True), (16, True)])
+@pytest.mark.parametrize("native", [True, False])
+def test_q8_linear_matches_its_dequantized_weight(rows, group_size, with_mins, native):
+    weight = random_q8_groups(200, 128, group_size, with_mins, seed=rows)
+    layer = Q8Linear(weight, in_features=100, bias=torch.randn(200))  # 28 appended columns, ignored
+    if not native:
+        layer.native = False
+    elif not layer.native:
+        pytest.skip("no C++ compiler for the native kernels")
+    x = torch.randn(2, rows, 100)
+    ref = x @ weight.dequantize()[:, :100].t() + layer.bias
+    y = layer(x)
+    assert y.shape == (2, rows, 200) and y.dtype == torch.float32
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations (or COMPUTE_DTYPE)
+
+
+def test_q8_linear_from_float_holds_symmetric_groups_of_32():
+    w = torch.randn(64, 96)
+    layer = Q8Linear.from_float(w)
+    q = quantize_q8_symmetric(w, 32)
+    assert layer.weight.dtype == torch.int8 and layer.mins is None and layer.group_size == 32
+    assert torch.equal(layer.dequantize(), q.codes.float() * q.scales.repeat_interleave(32, dim=1))
+    assert ((layer.dequantize() - w).abs() <= q.scales.repeat_interleave(32, dim=1) / 2 + 1e-7).all()
+
+
+def test_q8_linear_rejects_groups_it_cannot_run():
+    with pytest.raises(ValueError, match="groups of 16 or 32"):
+        Q8Linear(random_q8_groups(8, 128, 64, False, seed=0), 128)
+
+
+def test_q8_groups_cat_fills_missing_mins_with_zeros():
+    a, b = random_q8_groups(4, 64, 32, True, seed=1), random_q8_groups(3, 64, 32, False, seed=2)
+    both = Q8Groups.cat([a, b])
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+
+
+def test_compute_dtype_is_bfloat16_only_with_native_bfloat16_gemms():
+    assert quantization.COMPUTE_DTYPE == (torch.bfloat16 if has_native_bfloat16() else torch.float32)
+
+
+def test_builds_are_keyed_by_the_cpu():
+    info = {"model name": "AMD EPYC", "flags": "fpu sse2 avx avx2 fma"}
+    assert cpu_key(info) == cpu_key({**info, "flags": "avx2 fma fpu sse2 avx"})  # order does not matter
+    assert cpu_key(info) != cpu_key({**info, "flags": info["flags"] + " avx512f"})
+    assert cpu_key(info) != cpu_key({**info, "model name": "Intel Xeon"})
+    assert len(cpu_key()) == 8 and extension_name("inferno_quantized_gemv") == f"inferno_quantized_gemv_{cpu_key()}"
