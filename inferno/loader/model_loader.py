@@ -140,8 +140,8 @@ def load_weights(model: LlamaForCausalLM,
             fused, shard = PACKED[proj]
             if proj in ("q_proj", "k_proj"):
                 heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
-                w = w.map_rows(lambda t: interleave_rotary_rows(t, heads)) if isinstance(w, GroupQuantized) \
-                    else interleave_rotary_rows(w, heads)
+                w = interleave_rotary_rows(w, heads) if isinstance(w, torch.Tensor) \
+                    else w.map_rows(lambda t: interleave_rotary_rows(t, heads))
             target = f"{module_path}.{fused}.{kind}"
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
