@@ -11,6 +11,7 @@ from torch import nn
 from conftest import prefill_logits
 from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
+from inferno.cpu_features import has_native_bfloat16
 from inferno.kernels import quantized_gemv
 from inferno.layers.quantization import (INT8_GROUP_DEQUANTIZE_FROM_ROWS, GroupQuantized, Int4Linear, Int8GroupLinear,
                                          Int8Linear, Q8Linear, quantize_groups, quantize_groups_symmetric, quantize_int4,
@@ -315,7 +316,8 @@ def test_bad_quantization_options_are_rejected():
     with pytest.raises(ValueError, match="quantization is not supported with tensor_parallel_size > 1"):
         EngineConfig(quantization="int4", tensor_parallel_size=2)
     assert EngineConfig(quantization="int8", pipeline_parallel_size=2).pipeline_parallel_size == 2
-    assert EngineConfig(quantization="int8").dtype == "float32"  # the group-wise kernel takes float32 rows
-    assert EngineConfig(quantization="int8", quantization_group_size=-1).dtype == "bfloat16"
-    assert EngineConfig(quantization="int4").dtype == "bfloat16"
-    assert EngineConfig().dtype == "float32"
+    auto_dtype = "bfloat16" if has_native_bfloat16() else "float32"  # dtype "auto": native bfloat16 GEMMs or not
+    assert EngineConfig(quantization="int8").dtype == auto_dtype
+    assert EngineConfig(quantization="int8", quantization_group_size=-1).dtype == auto_dtype
+    assert EngineConfig(quantization="int4").dtype == auto_dtype
+    assert EngineConfig(quantization=None).dtype == auto_dtype
