@@ -12,6 +12,8 @@ import argparse
 import gc
 import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,6 +23,9 @@ import torch
 from inferno import LLM
 from inferno.engine.llm_engine import LLMEngine
 from inferno.layers.attention import AttentionMetadata
+from inferno.layers.native_quantization import QuantizedEmbedding
+from inferno.layers.quantization import Int4Linear, Q8Linear
+from inferno.loader import gguf as gguf_loader
 from inferno.request import Request
 from inferno.sampling_params import SamplingParams
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
@@ -58,11 +63,19 @@ QUALITY_TEXTS = [
 class Configuration:
     name: str
     engine_args: dict
+    native_types: tuple[str, ...] | None = None  # quantization="auto": only these GGUF types run as stored
+
+
+FLOAT32 = {"dtype": "float32", "quantization": None}  # the GGUF file's weights dequantized to float32
+AUTO = {"dtype": "float32", "quantization": "auto"}
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 CONFIGURATIONS = {
-    "float32": Configuration("float32", {"dtype": "float32"}),
-    "bfloat16": Configuration("bfloat16", {"dtype": "bfloat16"}),
+    "float32": Configuration("float32", FLOAT32),
+    "bfloat16": Configuration("bfloat16", {"dtype": "bfloat16", "quantization": None}),
+    "auto": Configuration("GGUF blocks as stored (quantization=auto, the default)", AUTO),
+    **{f"auto-{t}": Configuration(f"{t} blocks as stored, the rest float32", AUTO, (t,)) for t in GGUF_TYPES},
     "int8": Configuration("int8 weights, group 32 (float32 activations)", {"quantization": "int8"}),
     "int8-g64": Configuration("int8 weights, group 64 (float32 activations)",
                               {"quantization": "int8", "quantization_group_size": 64}),
@@ -73,8 +86,8 @@ CONFIGURATIONS = {
     "int4-g32": Configuration("int4 weights, group 32", {"quantization": "int4", "quantization_group_size": 32}),
     "int4-g64": Configuration("int4 weights, group 64", {"quantization": "int4", "quantization_group_size": 64}),
     "int4-g128": Configuration("int4 weights, group 128", {"quantization": "int4", "quantization_group_size": 128}),
-    "kv-int8": Configuration("float32, int8 KV cache", {"kv_cache_dtype": "int8"}),
-    "kv-fp8": Configuration("float32, fp8 (e4m3) KV cache", {"kv_cache_dtype": "fp8_e4m3"}),
+    "kv-int8": Configuration("float32, int8 KV cache", {**FLOAT32, "kv_cache_dtype": "int8"}),
+    "kv-fp8": Configuration("float32, fp8 (e4m3) KV cache", {**FLOAT32, "kv_cache_dtype": "fp8_e4m3"}),
     "int4-g32-kv-int8": Configuration("int4 weights (group 32) + int8 KV cache",
                                       {"quantization": "int4", "kv_cache_dtype": "int8"}),
 }
@@ -108,6 +121,26 @@ def teacher_forced_logprobs(engine: LLMEngine, token_ids: list[int], chunk: int)
         return torch.cat(logits)[:-1].log_softmax(dim=-1)
     finally:
         engine.kv_cache_manager.free(req)
+
+
+@contextmanager
+def native_types_only(types: tuple[str, ...] | None) -> Iterator[None]:
+    """While loading: GGUF tensors of other types than `types` become float (a fused layer runs natively only when
+    all its shards are of these types)."""
+    if types is None:
+        yield
+        return
+    native_weight = gguf_loader.native_weight
+    gguf_loader.native_weight = lambda tensor, name, native: (
+        native_weight(tensor, name, native) if tensor.tensor_type.name in types else None)
+    try:
+        yield
+    finally:
+        gguf_loader.native_weight = native_weight
+
+
+def runs_natively(engine: LLMEngine) -> bool:
+    return any(isinstance(m, (Int4Linear, Q8Linear, QuantizedEmbedding)) for m in engine.model_runner.model.modules())
 
 
 def evaluate(engine: LLMEngine, texts: list[list[int]], chunk: int) -> list[torch.Tensor]:
@@ -151,7 +184,11 @@ def main() -> None:
     reference, texts, results, model_path = None, None, [], ""
     for key in ["float32", *[c for c in args.configs if c != "float32"]]:
         config = CONFIGURATIONS[key]
-        llm = LLM(model=args.model, kv_cache_memory=64 << 20, num_threads=args.num_threads, **config.engine_args)
+        with native_types_only(config.native_types):
+            llm = LLM(model=args.model, kv_cache_memory=64 << 20, num_threads=args.num_threads, **config.engine_args)
+        if config.native_types and not runs_natively(llm.llm_engine):
+            print(f"skipped {key}: no layer of the model runs natively with it")
+            continue
         model_path = llm.llm_engine.model_path
         texts = texts or [llm.get_tokenizer().encode(t) for t in QUALITY_TEXTS]
         logprobs = evaluate(llm.llm_engine, texts, args.chunk)

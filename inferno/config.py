@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferno.cpu_features import has_native_bfloat16
+
 
 @dataclass(slots=True)
 class RopeScaling:
@@ -119,7 +121,7 @@ def _is_positive_int(value) -> bool:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("auto", "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 PER_CHANNEL = -1  # quantization_group_size for int8 with one scale per output channel (GPTQ's "-1")
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3")
@@ -128,8 +130,10 @@ KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3")
 @dataclass
 class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None: the default model
-    dtype: str = "auto"  # "auto": bfloat16 with int4 and per-channel int8 (their kernels want it), else float32
-    quantization: str | None = None  # weight-only: None, "int8" or "int4" (both group-wise)
+    dtype: str = "auto"  # "auto": bfloat16 where the CPU has native bfloat16 GEMMs (AVX512-BF16, AMX), else float32
+    # weight-only: "auto" runs a GGUF file's quantized blocks as stored (float checkpoints stay float); None
+    # dequantizes them to float; "int8" or "int4" (both group-wise) quantize every projection
+    quantization: str | None = "auto"
     # input columns per scale and min/zero (32 loads GGUF Q4_0/Q4_1 as is); int8 also PER_CHANNEL (-1)
     quantization_group_size: int = 32
     max_model_len: int | None = None
@@ -162,9 +166,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
         if self.dtype == "auto":
-            bf16_kernels = self.quantization == "int4" or (
-                self.quantization == "int8" and self.quantization_group_size == PER_CHANNEL)
-            self.dtype = "bfloat16" if bf16_kernels else "float32"
+            self.dtype = "bfloat16" if has_native_bfloat16() else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory",
@@ -173,8 +175,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.quantization is not None and self.tensor_parallel_size > 1:
+        if self.quantization in ("int8", "int4") and self.tensor_parallel_size > 1:
             # the quantized layers hold whole weights and do no all-reduce: they replace the tensor-parallel ones
+            # ("auto" falls back to float there, with a warning: model_loader.load_model)
             raise ValueError("quantization is not supported with tensor_parallel_size > 1 "
                              "(pipeline_parallel_size > 1 is: each stage quantizes its own layers)")
         if self.distributed_timeout <= 0:

@@ -15,6 +15,9 @@ from inferno.worker.input_batch import MicroBatch, StepInput
 # Engines in the tests run eagerly (and so do servers they start, which inherit the environment): compiling each
 # configuration's decode step would cost tens of seconds apiece. tests/test_compile.py checks the compiled path.
 os.environ["INFERNO_ENFORCE_EAGER"] = "1"
+# The options of the float32 model: the GGUF file's weights dequantized (the default, quantization="auto", runs the
+# file's blocks natively, tests/test_gguf_native.py). Tests comparing with HF or across engines use it.
+FLOAT32 = {"quantization": None, "dtype": "float32"}
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +27,7 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    return LLM(kv_cache_memory=512 << 20)
+    return LLM(kv_cache_memory=512 << 20, **FLOAT32)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """A request's output does not depend on the batch, on chunked prefill or on preemption; blocks never leak."""
 import pytest
 
-from conftest import assert_all_blocks_free
+from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.worker.model_runner import kv_bytes_per_block
 
@@ -39,13 +39,13 @@ def test_batch_of_16_matches_alone(llm, prompts, alone):
 
 
 def test_chunked_prefill_matches_alone(model_path, prompts, alone):
-    small_chunks = LLM(model_path, max_num_batched_tokens=32, kv_cache_memory=256 << 20)
+    small_chunks = LLM(model_path, max_num_batched_tokens=32, kv_cache_memory=256 << 20, **FLOAT32)
     assert run_batch(small_chunks, prompts) == alone
 
 
 def test_preemption_matches_alone(llm, model_path, prompts, alone):
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.torch_dtype)
-    tiny_cache = LLM(model_path, kv_cache_memory=40 * block_bytes)  # 40 blocks for 16 requests of up to 11 blocks
+    tiny_cache = LLM(model_path, kv_cache_memory=40 * block_bytes, **FLOAT32)  # 40 blocks for 16 requests of up to 11 blocks
     assert run_batch(tiny_cache, prompts) == alone
     assert tiny_cache.llm_engine.scheduler.num_preemptions > 0
 

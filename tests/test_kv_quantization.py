@@ -3,6 +3,7 @@ cache, and the bytes it saves."""
 import pytest
 import torch
 
+from conftest import FLOAT32
 from inferno import LLM, SamplingParams
 from inferno.layers.attention import Attention, block_rows
 from inferno.layers.kv_quantization import gather_kv, quantize_kv, write_kv
@@ -32,7 +33,7 @@ def test_quantized_kv_round_trip_through_cache_slots(dtype, tol):
 
 @pytest.fixture(scope="module", params=["int8", "fp8_e4m3"])
 def kv_llm(request):
-    return LLM(kv_cache_dtype=request.param, kv_cache_memory=KV_MEMORY)
+    return LLM(kv_cache_dtype=request.param, kv_cache_memory=KV_MEMORY, **FLOAT32)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free
+from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.engine.block_pool import BlockHash, BlockPool, hash_block
 from inferno.worker.model_runner import kv_bytes_per_block
@@ -29,7 +29,7 @@ def generate(llm: LLM, prompts: list[list[int]], **params) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def uncached(model_path, shared_prefix_prompts) -> dict[str, list[list[int]]]:
-    llm = LLM(model_path, enable_prefix_caching=False, kv_cache_memory=256 << 20)
+    llm = LLM(model_path, enable_prefix_caching=False, kv_cache_memory=256 << 20, **FLOAT32)
     return {"greedy": [generate(llm, [p], temperature=0)[0] for p in shared_prefix_prompts],
             "seeded": [generate(llm, [p], temperature=0.9, top_p=0.9, seed=7)[0] for p in shared_prefix_prompts]}
 
@@ -37,7 +37,7 @@ def uncached(model_path, shared_prefix_prompts) -> dict[str, list[list[int]]]:
 @pytest.mark.parametrize("chunk", [None, 24])  # 24: hits end inside what would have been a prefill chunk
 def test_outputs_equal_with_and_without_prefix_caching(llm, model_path, shared_prefix_prompts, uncached, chunk):
     if chunk is not None:
-        llm = LLM(model_path, max_num_batched_tokens=chunk, kv_cache_memory=256 << 20)
+        llm = LLM(model_path, max_num_batched_tokens=chunk, kv_cache_memory=256 << 20, **FLOAT32)
     for kind, params in [("greedy", dict(temperature=0)), ("seeded", dict(temperature=0.9, top_p=0.9, seed=7))]:
         one_by_one = [generate(llm, [p], **params)[0] for p in shared_prefix_prompts]  # each hits the earlier ones
         assert one_by_one == uncached[kind]
@@ -48,7 +48,7 @@ def test_outputs_equal_with_and_without_prefix_caching(llm, model_path, shared_p
 
 def test_eviction_then_recompute_gives_same_outputs(model_path, llm, shared_prefix_prompts, uncached):
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, torch.float32)
-    llm = LLM(model_path, kv_cache_memory=12 * block_bytes)  # room for one prompt at a time: caches get evicted
+    llm = LLM(model_path, kv_cache_memory=12 * block_bytes, **FLOAT32)  # room for one prompt at a time: caches get evicted
     pool = llm.llm_engine.kv_cache_manager.block_pool
     outputs, evicted = [], False
     for p in shared_prefix_prompts + shared_prefix_prompts[:2]:
@@ -106,7 +106,7 @@ def test_n4_counts_prompt_blocks_once(llm):
 def test_n4_samples_equal_without_sharing(model_path, llm):
     params = dict(n=4, temperature=1.0, seed=11)
     prompt = llm.get_tokenizer().encode("Write a short poem about autumn leaves falling. " * 3)
-    unshared = LLM(model_path, enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    unshared = LLM(model_path, enable_prefix_caching=False, kv_cache_memory=64 << 20, **FLOAT32)
     # the reference: each sample computed alone from scratch, with its own seed
     alone = [generate(unshared, [prompt], **dict(params, n=1, seed=11 + i))[0] for i in range(4)]
     assert generate(llm, [prompt], **params) == alone

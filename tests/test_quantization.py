@@ -11,11 +11,12 @@ from torch import nn
 from conftest import prefill_logits
 from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
+from inferno.cpu_features import has_native_bfloat16
 from inferno.kernels import quantized_gemv
 from inferno.layers.quantization import (INT8_GROUP_DEQUANTIZE_FROM_ROWS, GroupQuantized, Int4Linear, Int8GroupLinear,
                                          Int8Linear, Q8Linear, quantize_groups, quantize_groups_symmetric, quantize_int4,
                                          quantize_int8)
-from inferno.loader.gguf import q4_codes
+from inferno.loader.gguf_blocks import int4_groups
 
 # Prose, code and chat; together ~150 next-token positions for the agreement checks.
 TEXTS = [
@@ -38,7 +39,7 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def gguf_tensor(w: np.ndarray, kind: gguf.GGMLQuantizationType):
-    class Tensor:  # the two fields of gguf.ReaderTensor that q4_codes reads
+    class Tensor:  # a GGUF tensor's raw blocks and type
         data = gguf.quants.quantize(w, kind)
         tensor_type = kind
     return Tensor
@@ -182,7 +183,7 @@ def test_quantize_int4_round_trips_values_on_its_grid():
 def test_gguf_q4_blocks_read_as_codes_match_gguf_dequantize(kind):
     w = np.random.default_rng(0).standard_normal((16, 128)).astype(np.float32)
     tensor = gguf_tensor(w, kind)
-    codes = q4_codes(tensor)
+    codes = int4_groups(tensor.data, kind)
     assert codes.group_size == 32
     np.testing.assert_array_equal(codes.dequantize().numpy(), gguf.quants.dequantize(tensor.data, kind))
 
@@ -315,7 +316,8 @@ def test_bad_quantization_options_are_rejected():
     with pytest.raises(ValueError, match="quantization is not supported with tensor_parallel_size > 1"):
         EngineConfig(quantization="int4", tensor_parallel_size=2)
     assert EngineConfig(quantization="int8", pipeline_parallel_size=2).pipeline_parallel_size == 2
-    assert EngineConfig(quantization="int8").dtype == "float32"  # the group-wise kernel takes float32 rows
-    assert EngineConfig(quantization="int8", quantization_group_size=-1).dtype == "bfloat16"
-    assert EngineConfig(quantization="int4").dtype == "bfloat16"
-    assert EngineConfig().dtype == "float32"
+    auto_dtype = "bfloat16" if has_native_bfloat16() else "float32"  # dtype "auto": native bfloat16 GEMMs or not
+    assert EngineConfig(quantization="int8").dtype == auto_dtype
+    assert EngineConfig(quantization="int8", quantization_group_size=-1).dtype == auto_dtype
+    assert EngineConfig(quantization="int4").dtype == auto_dtype
+    assert EngineConfig(quantization=None).dtype == auto_dtype

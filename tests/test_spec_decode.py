@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from conftest import assert_all_blocks_free
+from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.config import SpeculativeConfig
 from inferno.request import Request, RequestStatus
@@ -31,13 +31,13 @@ def prompts(llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ngram_llm(model_path) -> LLM:
-    return LLM(model_path, kv_cache_memory=64 << 20, speculative_config=NGRAM)
+    return LLM(model_path, kv_cache_memory=64 << 20, speculative_config=NGRAM, **FLOAT32)
 
 
 @pytest.fixture(scope="module")
 def self_draft_llm(model_path) -> LLM:
     """The default model as its own draft: every proposal must be accepted."""
-    return LLM(model_path, kv_cache_memory=64 << 20,
+    return LLM(model_path, kv_cache_memory=64 << 20, **FLOAT32,
                speculative_config={"method": "draft_model", "model": model_path, "num_speculative_tokens": 3})
 
 
@@ -115,7 +115,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(request, spec_llm, pro
 
 def test_preemption_with_draft_model_matches_plain_decoding(llm, model_path, prompts, reference):
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.torch_dtype)
-    tiny = LLM(model_path, kv_cache_memory=16 * block_bytes,  # 8 blocks: the draft's cache takes half
+    tiny = LLM(model_path, kv_cache_memory=16 * block_bytes, **FLOAT32,  # 8 blocks: the draft's cache takes half
                speculative_config={"method": "draft_model", "model": model_path, "num_speculative_tokens": 3})
     assert token_ids(tiny, prompts, greedy()) == reference
     assert tiny.llm_engine.scheduler.num_preemptions > 0
@@ -174,7 +174,7 @@ def record_schedules(engine) -> list:
 
 
 def test_disable_by_batch_size_switches_speculation_off_in_large_batches(model_path, prompts, reference):
-    spec_llm = LLM(model_path, kv_cache_memory=64 << 20,
+    spec_llm = LLM(model_path, kv_cache_memory=64 << 20, **FLOAT32,
                    speculative_config={**NGRAM, "disable_by_batch_size": 2, "draft_acceptance_threshold": 0})
     schedules = record_schedules(spec_llm.llm_engine)
     # the requests end one after the other: the last one runs alone for its final 8 tokens
@@ -254,7 +254,7 @@ def test_low_acceptance_draft_stops_proposing_and_output_is_unchanged(model_path
     verified drafts than with the policy off); greedy output stays plain decoding's."""
     results = {}
     for threshold in (0.0, 0.3):
-        spec_llm = LLM(model_path, kv_cache_memory=64 << 20,
+        spec_llm = LLM(model_path, kv_cache_memory=64 << 20, **FLOAT32,
                        speculative_config={"method": "draft_model", "model": random_draft, "num_speculative_tokens": 3,
                                            "draft_acceptance_threshold": threshold})
         engine = spec_llm.llm_engine

@@ -14,9 +14,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="activation dtype (auto: bfloat16 with int4 / per-channel int8, else float32)")
-    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
-                        help="weight-only quantization of the linear layers (default: none)")
+                        help="activation dtype (auto: bfloat16 where the CPU has native bfloat16 GEMMs, else float32)")
+    parser.add_argument("--quantization", "-q", default=d.quantization, choices=["auto", "none", "int8", "int4"],
+                        help="weights: auto runs a GGUF file's quantized blocks as stored; none dequantizes them to "
+                             "float; int8 / int4 quantize every projection (default: auto)")
     parser.add_argument("--quantization-group-size", type=int, default=d.quantization_group_size,
                         choices=[32, 64, 128, -1],
                         help="input columns per scale and zero point; -1: per output channel (int8 only)")
@@ -60,7 +61,8 @@ def speculative_config(text: str) -> SpeculativeConfig:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+    quantization = None if args.quantization == "none" else args.quantization
+    return EngineConfig(model=args.model, dtype=args.dtype, quantization=quantization,
                         quantization_group_size=args.quantization_group_size, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                         block_size=args.block_size,

@@ -1,5 +1,6 @@
-"""GGUF files: model config from the metadata, tensors dequantized with the `gguf` package under HF names
-and in HF's layout (so every loader hands the model the same thing)."""
+"""GGUF files: model config from the metadata, tensors under HF names and in HF's layout (so every loader hands
+the model the same thing): quantized blocks repacked for the kernels (gguf_blocks.py) or dequantized to float with
+the `gguf` package."""
 from collections.abc import Iterator
 
 import gguf
@@ -7,7 +8,11 @@ import numpy as np
 import torch
 
 from inferno.config import ModelConfig
-from inferno.layers.quantization import GroupQuantized
+from inferno.layers.quantization import GroupQuantized, Q8Groups
+from inferno.loader.gguf_blocks import INT4_TYPES, int4_groups, q8_groups
+from inferno.loader.gguf_file import GGUFFile, GGUFTensor
+
+T = gguf.GGMLQuantizationType
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -34,38 +39,36 @@ GLOBAL_TENSORS = {
 }
 
 
-def open_gguf(path: str) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError… on a bad file
-        raise ValueError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
+def open_gguf(path: str) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def field(reader: gguf.GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def read_config(reader: gguf.GGUFReader) -> ModelConfig:
-    arch = field(reader, "general.architecture")
+def read_config(gguf_file: GGUFFile) -> ModelConfig:
+    field = gguf_file.field
+    arch = field("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    names = {t.name for t in reader.tensors}
-    hidden = field(reader, f"{arch}.embedding_length")
-    heads = field(reader, f"{arch}.attention.head_count")
-    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in gguf_file.tensors}
+    hidden = field(f"{arch}.embedding_length")
+    heads = field(f"{arch}.attention.head_count")
+    vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens", ()))
+    required = {"embedding_length": hidden, "attention.head_count": heads, "block_count": field(f"{arch}.block_count"),
+                "feed_forward_length": field(f"{arch}.feed_forward_length"), "vocab_size": vocab}
+    missing = [f"{arch}.{key}" for key, value in required.items() if not value]
+    if missing:
+        raise ValueError(f"GGUF file {gguf_file.path} lacks metadata {', '.join(missing)}")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=field(reader, f"{arch}.feed_forward_length"),
-        num_hidden_layers=field(reader, f"{arch}.block_count"),
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_hidden_layers=field(f"{arch}.block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=field(reader, f"{arch}.attention.head_count_kv", heads),
-        head_dim=field(reader, f"{arch}.attention.key_length", hidden // heads),
-        rms_norm_eps=field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=field(reader, f"{arch}.rope.freq_base", 10000.0),
-        max_position_embeddings=field(reader, f"{arch}.context_length"),
+        num_key_value_heads=field(f"{arch}.attention.head_count_kv", heads),
+        head_dim=field(f"{arch}.attention.key_length", hidden // heads),
+        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=field(f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=field(f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
     )
@@ -83,42 +86,54 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{LAYER_TENSORS[rest]}" if rest in LAYER_TENSORS else None
 
 
-Q4_BLOCK_SIZE = 32
-Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+Q4_LEGACY_TYPES = (T.Q4_0, T.Q4_1)
 
 
-def q4_codes(tensor: gguf.ReaderTensor) -> GroupQuantized:
-    """A Q4_0 / Q4_1 matrix as 4-bit codes with a scale and a min per block of 32, without dequantizing.
-
-    A block is an fp16 scale d (Q4_1: then an fp16 min m) and 16 bytes holding 32 codes, low nibbles first:
-    w = q * d + m (Q4_0: w = (q - 8) * d).
-    """
-    raw = np.asarray(tensor.data)
-    rows = raw.shape[0]
-    has_min = tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
-    header = 4 if has_min else 2
-    blocks = raw.reshape(rows, -1, header + Q4_BLOCK_SIZE // 2)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * scales
-    packed = blocks[..., header:]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
-    return GroupQuantized(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins))
+def has_quantized_tensors(gguf_file: GGUFFile) -> bool:
+    return any(t.tensor_type not in FLOAT_TYPES for t in gguf_file.tensors)
 
 
-def iter_weights(reader: gguf.GGUFReader, config: ModelConfig,
-                 group_size: int | None = None) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
-    """HF-named weights; with `group_size=32`, Q4_0/Q4_1 projection weights come as 4-bit codes (GroupQuantized)."""
-    for tensor in reader.tensors:
+def native_weight(tensor: GGUFTensor, name: str, native: str) -> GroupQuantized | Q8Groups | None:
+    """The tensor's blocks in a form a kernel runs, or None where it is to become float. `native` "auto": every
+    quantized projection (4-bit types as int4 groups, the others as Q8 groups), the token embedding and the LM head
+    (Q8 groups, which hold every type exactly); "q4": only Q4_0 / Q4_1 projections (explicit int4 / int8 with
+    groups of 32); "none": nothing."""
+    qtype = tensor.tensor_type
+    if native == "none" or qtype in FLOAT_TYPES:
+        return None
+    projection = name.endswith("proj.weight")
+    if native == "q4":
+        return int4_groups(tensor.data, qtype) if projection and qtype in Q4_LEGACY_TYPES else None
+    if projection and qtype in INT4_TYPES:
+        return int4_groups(tensor.data, qtype)
+    if projection or name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return q8_groups(tensor.data, qtype)
+    return None
+
+
+def float_weight(tensor: GGUFTensor) -> torch.Tensor:
+    try:
+        w = gguf.quants.dequantize(tensor.data.view(np.ndarray), tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be read") from e
+    return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(tensor.shape))
+
+
+def iter_weights(gguf_file: GGUFFile, config: ModelConfig,
+                 native: str = "none") -> Iterator[tuple[str, torch.Tensor | GroupQuantized | Q8Groups]]:
+    """HF-named weights, float tensors or (see `native_weight`) quantized blocks repacked without dequantizing."""
+    if native not in ("none", "q4", "auto"):
+        raise ValueError(f"native must be 'none', 'q4' or 'auto', got {native!r}")
+    for tensor in gguf_file.tensors:
         name = hf_name(tensor.name)
         if name is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file")
-        if (group_size == Q4_BLOCK_SIZE and tensor.tensor_type in Q4_TYPES and name.endswith("proj.weight")):
-            w = q4_codes(tensor)
-        else:
-            w = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
-                                          dtype=np.float32))  # a writable copy of the memory map
+        w = native_weight(tensor, name, native)
+        if w is None:
+            w = float_weight(tensor)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if name.endswith("q_proj.weight") else config.num_key_value_heads
-            w = w.map_rows(lambda t: unpermute_rotary(t, heads)) if isinstance(w, GroupQuantized) \
-                else unpermute_rotary(w, heads)
+            w = unpermute_rotary(w, heads) if isinstance(w, torch.Tensor) \
+                else w.map_rows(lambda t: unpermute_rotary(t, heads))
         yield name, w

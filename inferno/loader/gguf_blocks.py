@@ -1,0 +1,117 @@
+"""GGUF quantized blocks repacked, without dequantizing, into the forms inferno's kernels run: every operation is
+vectorised over a whole tensor (raw bytes [rows, bytes per row], a view of the memory-mapped file).
+
+- `int4_groups`: Q4_0, Q4_1 and Q4_K as 4-bit codes with a scale and a min per group of 32 (`GroupQuantized`, the
+  `Int4Linear` input). Exact in float32; `Int4Linear` stores scales and mins as float16, which is exact for Q4_0 and
+  Q4_1 (their d and m are float16) but rounds Q4_K's d * sc and dmin * m (up to 17 significant bits).
+- `q8_groups`: every supported type as signed 8-bit codes with a float32 scale (and min) per group of 32, or 16 for
+  Q6_K (`Q8Groups`, the `Q8Linear` input): exact, `codes * scales + mins` is what `gguf.quants.dequantize` computes.
+"""
+import gguf
+import numpy as np
+import torch
+
+from inferno.layers.quantization import GroupQuantized, Q8Groups
+
+T = gguf.GGMLQuantizationType
+INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0)
+QK_K = 256  # values per K-quant super-block
+
+
+def blocks_of(raw: np.ndarray, qtype: T) -> torch.Tensor:
+    """Raw bytes [rows, bytes per row] -> uint8 [rows, blocks per row, bytes per block] (no copy)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    return torch.from_numpy(raw).view(raw.shape[0], -1, type_size)
+
+
+def half(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2] little-endian float16 bytes -> float32 [...]."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] -> [..., 2n]: the n low nibbles, then the n high nibbles (the order of a 32-value run)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """Little-endian bit masks uint8 [..., count // 8] -> 0/1 uint8 [..., count], bit j of the mask first."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :count]
+
+
+def k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit sub-block scales and mins -> two float32 [..., 8]."""
+    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def decode(raw: np.ndarray, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Codes [rows, K] (uint8, or int8 when signed), scales and mins (None: symmetric) [rows, K / G], and G, with
+    w = codes * scales + mins exactly as `gguf.quants.dequantize` computes it."""
+    b = blocks_of(raw, qtype)
+    rows, n = b.shape[:2]
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
+        header = 4 if qtype in (T.Q4_1, T.Q5_1) else 2
+        five_bit = qtype in (T.Q5_0, T.Q5_1)
+        q = nibbles(b[..., header + 4 * five_bit:])
+        if five_bit:
+            q |= high_bits(b[..., header:header + 4], 32) << 4
+        scales = half(b[..., 0:2])
+        if header == 4:
+            return q.view(rows, -1), scales, half(b[..., 2:4]), 32
+        offset = 16 if five_bit else 8
+        return (q.to(torch.int8) - offset).view(rows, -1), scales, None, 32
+    if qtype == T.Q8_0:
+        return b[..., 2:].contiguous().view(torch.int8).view(rows, -1), half(b[..., 0:2]), None, 32
+    if qtype in (T.Q4_K, T.Q5_K):
+        d, dmin = half(b[..., 0:2]).unsqueeze(-1), half(b[..., 2:4]).unsqueeze(-1)
+        sc, mn = k_scales(b[..., 4:16])
+        if qtype == T.Q4_K:
+            q = nibbles(b[..., 16:].reshape(rows, n, 4, 32))  # [rows, n, 4, 64]: sub-blocks 2i and 2i + 1
+        else:
+            q = nibbles(b[..., 48:].reshape(rows, n, 4, 32))
+            q |= high_bits(b[..., 16:48], 256).view(rows, n, 32, 8).transpose(-1, -2).reshape(rows, n, 4, 64) << 4
+        return q.view(rows, -1), (d * sc).view(rows, -1), (-(dmin * mn)).view(rows, -1), 32
+    if qtype == T.Q6_K:
+        ql, qh = b[..., 0:128].reshape(rows, n, 2, 64), b[..., 128:192].reshape(rows, n, 2, 1, 32)
+        low = torch.cat([ql & 0x0F, ql >> 4], dim=-1).view(rows, n, 2, 4, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        q = (low | (((qh >> shifts) & 3) << 4)).to(torch.int8) - 32
+        sc = b[..., 192:208].contiguous().view(torch.int8).float()
+        return q.view(rows, -1), (half(b[..., 208:210]).unsqueeze(-1) * sc).view(rows, -1), None, 16
+    raise ValueError(f"GGUF tensor type {qtype.name} has no native form (supported: "
+                     f"{', '.join(t.name for t in Q8_TYPES)})")
+
+
+def int4_groups(raw: np.ndarray, qtype: T) -> GroupQuantized:
+    """Q4_0 / Q4_1 / Q4_K -> unsigned 4-bit codes in groups of 32 (Q4_0: min -8 * d)."""
+    if qtype not in INT4_TYPES:
+        raise ValueError(f"GGUF tensor type {qtype.name} is not a 4-bit type")
+    b = blocks_of(raw, qtype)
+    rows = b.shape[0]
+    if qtype == T.Q4_0:
+        scales = half(b[..., 0:2])
+        return GroupQuantized(nibbles(b[..., 2:]).view(rows, -1), scales, -8 * scales)
+    codes, scales, mins, _ = decode(raw, qtype)
+    return GroupQuantized(codes, scales, mins)
+
+
+def q8_groups(raw: np.ndarray, qtype: T) -> Q8Groups:
+    codes, scales, mins, _ = decode(raw, qtype)
+    return Q8Groups(codes.view(torch.int8) if codes.dtype == torch.uint8 else codes, scales, mins)
+
+
+def as_q8_groups(weight: GroupQuantized | Q8Groups, group_size: int) -> Q8Groups:
+    """A layer's weight in the common form of a fused layer whose shards differ: Q8Groups with groups of
+    `group_size` (16 or 32; a group of 32 becomes two of 16 with the same scale and min). Exact."""
+    if isinstance(weight, GroupQuantized):  # 4-bit codes fit int8 as they are
+        weight = Q8Groups(weight.codes.view(torch.int8), weight.scales, weight.mins)
+    repeat = weight.group_size // group_size
+    if repeat == 1:
+        return weight
+    spread = lambda t: None if t is None else t.repeat_interleave(repeat, dim=1)  # noqa: E731
+    return Q8Groups(weight.codes, spread(weight.scales), spread(weight.mins))

@@ -1,0 +1,209 @@
+"""GGUF files run as stored (quantization="auto", the default): every block type loads through its native form,
+which holds the file's weights bit-exactly (against `gguf.quants.dequantize`) except where stated (Q4_K in the int4
+layout), and the model computes what the dequantized float model (quantization=None) computes."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import prefill_logits
+from inferno import LLM, SamplingParams
+from inferno.config import EngineConfig
+from inferno.cpu_features import has_native_bfloat16
+from inferno.distributed.parallel_state import ParallelRank
+from inferno.layers.native_quantization import QuantizedEmbedding
+from inferno.layers.quantization import Int4Linear, Q8Linear
+from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, q8_groups
+from inferno.loader.model_loader import load_model
+from tiny_gguf import T, random_blocks, write_tiny_gguf
+
+PROMPT = list(range(40, 60))  # 20 byte tokens: decode-sized row counts run the native kernels
+# The native kernels quantize activations to int8 per block of 32 (as llama.cpp does): about 0.5% relative error per
+# matmul for symmetric blocks, 1-1.5% for blocks with a min (Q4_1, Q5_1). Measured on these tiny models: the norm of
+# the logits' difference over the norm of the float logits 0.028-0.032 (Q4_0, Q4_1, Q5_0, Q6_K, Q8_0), 0.064
+# (Q5_1), 0.0003 (Q4_K, Q5_K: larger logits), 0.056 (Q4_K_M-like); the default model 0.038.
+LOGIT_RELATIVE_TOLERANCE = 0.1
+MIN_MARGIN = 0.3  # the float model's top-2 logit gap from which the native model must pick the same token
+
+
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
+def test_q8_groups_hold_the_blocks_bit_exactly(qtype):
+    raw = random_blocks(qtype, 8, 512, np.random.default_rng(int(qtype)))
+    expected = gguf.quants.dequantize(raw, qtype)
+    weight = q8_groups(raw, qtype)
+    assert weight.codes.dtype == torch.int8 and weight.group_size == (16 if qtype == T.Q6_K else 32)
+    assert np.array_equal(weight.dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES, ids=lambda t: t.name)
+def test_int4_groups_hold_the_blocks_bit_exactly(qtype):
+    raw = random_blocks(qtype, 8, 512, np.random.default_rng(int(qtype)))
+    weight = int4_groups(raw, qtype)
+    assert weight.codes.max() <= 15 and weight.group_size == 32
+    assert np.array_equal(weight.dequantize().numpy(), gguf.quants.dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES, ids=lambda t: t.name)
+def test_int4_layout_rounds_only_q4_k_scales_to_float16(qtype):
+    """Int4Linear stores a scale and a min per group as float16: exact for Q4_0/Q4_1 (float16 in the file), a
+    rounding of Q4_K's d * sc and dmin * m, each off by at most half a float16 step (relative 2^-11, or 2^-25
+    absolute below float16's normal range)."""
+    raw = random_blocks(qtype, 64, 512, np.random.default_rng(1))
+    weight = int4_groups(raw, qtype)
+    packed = Int4Linear(weight, None).dequantize()
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    if qtype != T.Q4_K:
+        assert torch.equal(packed, expected)
+        return
+    scale_error = weight.scales.abs() * 2.0 ** -11 + 2.0 ** -25
+    min_error = weight.mins.abs() * 2.0 ** -11 + 2.0 ** -25
+    bound = (weight.codes.view(64, -1, 32).float() * scale_error.unsqueeze(-1) + min_error.unsqueeze(-1)).view(64, -1)
+    error = (packed - expected).abs()
+    assert (error <= bound * 1.0001).all()
+    assert error.max() > 0  # a rounding, not a lossless repack
+
+
+def native_and_float(path) -> tuple[LLM, LLM]:
+    native = LLM(model=str(path), kv_cache_memory=8 << 20, dtype="float32")
+    assert native.llm_engine.config.quantization == "auto"
+    return native, LLM(model=str(path), kv_cache_memory=8 << 20, quantization=None, dtype="float32")
+
+
+def models(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.model_runner.model
+
+
+def weight_of(layer: torch.nn.Module) -> torch.Tensor:
+    """The float32 [N, K] weight a layer computes with."""
+    if isinstance(layer, (Int4Linear, Q8Linear)):
+        return layer.dequantize()[:, :layer.in_features]
+    if isinstance(layer, QuantizedEmbedding):
+        return layer.q8_groups.dequantize()
+    return layer.weight.float()
+
+
+def assert_same_model(native: LLM, reference: LLM, prompt: list[int] = PROMPT, rounded_int4: bool = False) -> None:
+    """The native layers hold the float model's weights exactly (`rounded_int4`, Q4_K in Int4Linear: within float16
+    rounding), the logits agree within LOGIT_RELATIVE_TOLERANCE, and so do the most likely tokens wherever the float
+    model's top-2 margin exceeds MIN_MARGIN (prefill positions, then greedy decoding up to the first near-tie)."""
+    ours, theirs = models(native), models(reference)
+    for name, layer in ours.named_modules():
+        if isinstance(layer, (Int4Linear, Q8Linear, QuantizedEmbedding)):
+            expected = weight_of(theirs.get_submodule(name))
+            if rounded_int4 and isinstance(layer, Int4Linear):  # float16 scales and mins (exact bound: see above)
+                torch.testing.assert_close(weight_of(layer), expected, rtol=0, atol=2.0 ** -9 * expected.abs().max())
+            else:
+                assert torch.equal(weight_of(layer), expected), name
+    native_logits = prefill_logits(native.llm_engine, prompt)
+    float_logits = prefill_logits(reference.llm_engine, prompt)
+    error = ((native_logits - float_logits).norm() / float_logits.norm()).item()
+    assert error < LOGIT_RELATIVE_TOLERANCE
+    margins = float_logits.topk(2).values.diff(dim=-1).neg().squeeze(-1)
+    clear = margins > MIN_MARGIN
+    assert torch.equal(native_logits.argmax(-1)[clear], float_logits.argmax(-1)[clear])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ref = reference.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    out = native.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    compared = 0
+    for i, (token, logprobs) in enumerate(zip(ref.token_ids, ref.logprobs)):
+        top2 = sorted((lp.logprob for lp in logprobs.values()), reverse=True)[:2]
+        if top2[0] - top2[1] < MIN_MARGIN:
+            break
+        assert out.token_ids[i] == token, (i, out.token_ids, ref.token_ids)
+        compared += 1
+    print(f"logits relative error {error:.4f}, max {(native_logits - float_logits).abs().max():.3f}, "
+          f"{int(clear.sum())}/{len(clear)} prefill positions and {compared} greedy tokens with a clear margin")
+
+
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
+def test_every_type_runs_natively_and_matches_the_float_model(tmp_path, qtype):
+    native, reference = native_and_float(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
+    model = models(native)
+    layer_kind = Int4Linear if qtype in INT4_TYPES else Q8Linear
+    for layer in (model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.gate_up_proj, model.layers[1].mlp.down_proj):
+        assert isinstance(layer, layer_kind)
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, Q8Linear)
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.codes.data_ptr()  # the tied head shares codes
+    assert_same_model(native, reference, rounded_int4=qtype == T.Q4_K)
+
+
+def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
+    """Q/K as Q4_K and V as Q6_K: the fused qkv_proj becomes Q8 groups of 16 that hold all three exactly."""
+    types = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
+             "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "token_embd": T.Q4_K, "output": T.Q6_K}
+    native, reference = native_and_float(write_tiny_gguf(tmp_path / "mixed.gguf", types, tied=False))
+    model = models(native)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Q8Linear) and qkv.group_size == 16
+    assert torch.equal(weight_of(qkv), weight_of(models(reference).layers[0].self_attn.qkv_proj))
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)
+    assert isinstance(model.layers[0].mlp.down_proj, Q8Linear)
+    assert isinstance(model.lm_head, Q8Linear) and model.lm_head.group_size == 16
+    assert_same_model(native, reference, rounded_int4=True)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_llama_rotary_row_order_applies_to_native_blocks(tmp_path, qtype):
+    native, reference = native_and_float(write_tiny_gguf(tmp_path / "llama.gguf", qtype, arch="llama"))
+    assert_same_model(native, reference, rounded_int4=qtype == T.Q4_K)
+
+
+def test_float_files_stay_float(tmp_path):
+    llm = LLM(model=str(write_tiny_gguf(tmp_path / "f16.gguf", T.F16)), kv_cache_memory=8 << 20)
+    model = models(llm)
+    assert type(model.layers[0].self_attn.qkv_proj).__name__ == "QKVParallelLinear"
+    assert not isinstance(model.embed_tokens, QuantizedEmbedding)
+
+
+def test_default_model_runs_as_stored_and_matches_its_float_model():
+    native = LLM(kv_cache_memory=64 << 20, dtype="float32")
+    reference = LLM(kv_cache_memory=64 << 20, quantization=None, dtype="float32")
+    model = models(native)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)  # Q4_1
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)  # Q8_0, and the tied LM head reads it
+    assert isinstance(model.lm_head, Q8Linear) and model.lm_head.weight.data_ptr() == model.embed_tokens.codes.data_ptr()
+    assert_same_model(native, reference, native.get_tokenizer().encode(
+        "The capital of France is Paris. The capital of Germany is"))
+
+
+def test_engine_defaults():
+    config = EngineConfig()
+    assert config.quantization == "auto"
+    assert config.dtype == ("bfloat16" if has_native_bfloat16() else "float32")
+    assert EngineConfig(tensor_parallel_size=2).quantization == "auto"  # falls back to float at load time
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(quantization="int4", tensor_parallel_size=2)
+
+
+def test_tensor_parallel_falls_back_to_float_with_a_warning(tmp_path, caplog):
+    """Quantized layers are not split across tensor-parallel ranks yet: "auto" loads the float model there."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", T.Q4_K)
+    with caplog.at_level("WARNING"):
+        loaded = load_model(str(path), torch.float32, ParallelRank(0, tp_size=2), quantization="auto")
+    assert "dequantized to float" in caplog.text
+    assert not any(isinstance(m, (Int4Linear, Q8Linear, QuantizedEmbedding)) for m in loaded.model.modules())
+
+
+def test_each_pipeline_stage_keeps_its_own_layers_quantized(tmp_path):
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", T.Q6_K))
+    first = load_model(path, torch.float32, ParallelRank(0, pp_size=2), quantization="auto").model
+    last = load_model(path, torch.float32, ParallelRank(1, pp_size=2), quantization="auto").model
+    assert list(first.stage_layers) == [0] and list(last.stage_layers) == [1]
+    assert isinstance(first.layers[0].mlp.down_proj, Q8Linear) and isinstance(first.embed_tokens, QuantizedEmbedding)
+    assert isinstance(last.layers[1].mlp.down_proj, Q8Linear) and last.embed_tokens is None
+
+
+def test_draft_model_speculation_runs_as_stored_and_accepts_itself(tmp_path):
+    """The draft loads with the target's options: the default model as its own draft (both native) gives plain
+    greedy decoding's tokens, nearly every draft accepted (the kernels' sums for the 1-row draft step and the 4-row
+    verification are ordered differently, so a near-tie may flip: one of 11 drafts here)."""
+    plain = LLM(kv_cache_memory=32 << 20)
+    path = plain.llm_engine.model_path
+    spec = LLM(kv_cache_memory=32 << 20, speculative_config={"method": "draft_model", "model": path,
+                                                             "num_speculative_tokens": 3})
+    assert isinstance(spec.llm_engine.proposer.runner.model.layers[0].mlp.down_proj, Int4Linear)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = "The capital of France is"
+    expected = plain.generate(prompt, params)[0].outputs[0].token_ids
+    assert spec.generate(prompt, params)[0].outputs[0].token_ids == expected
+    assert spec.llm_engine.spec_decoding_stats.acceptance_rate >= 0.8
