@@ -1,18 +1,21 @@
 """Start-up: seconds from the command to the first generated token, and to a healthy server, each in a new process.
 
 - `inferno generate`: `python -m inferno.entrypoints.cli generate PROMPT --model M --temperature 0`, timed from
-  the process start to the first visible character it prints (the first token, streamed).
-- `inferno serve`: `python -m inferno.entrypoints.cli serve --model M`, timed to the first `GET /health` 200
-  (polled every 20 ms); the seconds until the log says decode steps run compiled are reported too (the engine
-  serves eagerly until then).
+  the process start to the first visible character it prints (the first token, streamed). It runs eagerly, so
+  the inductor cache plays no part.
+- `inferno serve` (the first --model only): `python -m inferno.entrypoints.cli serve --model M`, timed to the first
+  `GET /health` 200 (polled every 20 ms); the seconds until the log says decode steps run compiled are reported
+  too, when that happens within --compile-timeout (the engine serves eagerly until then).
 - llama-cpp-python: a new process that imports `llama_cpp`, loads the same file (n_ctx 2048) and generates the
   first token of the same prompt (skipped where llama-cpp-python is not installed).
 Cold: the native kernels are built (an untimed warm-up run builds them), TORCHINDUCTOR_CACHE_DIR is a new empty
-folder for every run. Warm: one folder shared by every run, filled by an untimed run first. Medians of --repeats;
+folder for every run. Warm: one folder shared by every run, filled by an untimed run first (llama.cpp: its file
+in the page cache, as for every row). Medians of --repeats;
 each run's breakdown (import, model load, KV cache, ...) comes from the engine's log timestamps.
 Results print as a table and replace the `startup` section of --output.
 """
 import argparse
+import json
 import os
 import shlex
 import statistics
@@ -38,6 +41,55 @@ for token in llm.generate(llm.tokenize(sys.argv[3].encode()), temp=0.0):
     print(llm.detokenize([token]).decode(errors="replace") or "?", flush=True)
     break
 """
+
+
+BREAKDOWN = """
+import json, sys, time
+times, last = {}, time.perf_counter()
+
+
+def mark(name):
+    global last
+    now = time.perf_counter()
+    times[name], last = now - last, now
+
+
+def timed(name, f):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        result = f(*args, **kwargs)
+        times[name] = time.perf_counter() - start
+        return result
+    return run
+
+
+import torch
+mark("import torch")
+from inferno import LLMEngine, SamplingParams
+from inferno.config import EngineConfig
+from inferno.kernels import paged_attention, quantized_gemv
+import inferno.worker.worker as worker
+mark("import inferno")
+paged_attention(), quantized_gemv()
+mark("load native kernels")
+worker.load_model = timed("load model", worker.load_model)
+worker.ModelRunner = timed("model runner + KV cache", worker.ModelRunner)
+engine = LLMEngine(EngineConfig(model=sys.argv[1], enforce_eager=True))
+mark("engine")
+times["engine"] -= times["load model"] + times["model runner + KV cache"]
+engine.add_request("0", sys.argv[2], SamplingParams(max_tokens=1, temperature=0))
+while engine.has_unfinished_requests():
+    engine.step()
+mark("prompt + first token")
+print(json.dumps(times))
+"""
+
+
+def breakdown(model: str, env: dict[str, str]) -> dict[str, float]:
+    """Seconds of each start-up phase, in a new process (eager: what runs before the first token)."""
+    out = subprocess.run([sys.executable, "-c", BREAKDOWN, model, PROMPT], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def inferno_command(*args: str) -> list[str]:
@@ -126,7 +178,7 @@ def main() -> None:
     p.add_argument("--num-threads", type=int, default=os.cpu_count())
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--no-serve", action="store_true", help="skip the server rows")
+    p.add_argument("--no-serve", action="store_true", help="skip the server rows (run for the first --model only)")
     p.add_argument("--compile-timeout", type=float, default=240.0,
                    help="seconds after start to wait for the server's compiled decode step")
     p.add_argument("--output", type=Path, default=Path(__file__).with_name("RESULTS.md"))
@@ -140,25 +192,28 @@ def main() -> None:
         have_llamacpp = False
         print("llama-cpp-python is not installed: its rows are skipped", file=sys.stderr)
 
-    rows = []
+    rows, phases = [], []
     for model in models:
         name = Path(model).name
+        phases.append((name, breakdown(model, environment(tempfile.mkdtemp(), args.num_threads))))
+        print(phases[-1], flush=True)
         generate = inferno_command("generate", PROMPT, "--model", model, "--temperature", "0", "--max-tokens", "8")
         serve = inferno_command("serve", "--model", model, "--port", str(args.port), "--num-threads",
                                 str(args.num_threads))
+        # `generate` never compiles (it runs eagerly), so a cold inductor cache is all it ever sees
+        times = median_runs(lambda env: time_to_first_output(generate, env, args.timeout), args.repeats, True,
+                            args.num_threads)
+        rows.append((name, "`inferno generate`, first token", statistics.median(times), None, times))
+        print(rows[-1], flush=True)
         for temperature, fresh in (("cold", True), ("warm", False)):
-            times = median_runs(lambda env: time_to_first_output(generate, env, args.timeout), args.repeats, fresh,
-                                args.num_threads)
-            rows.append((name, f"`inferno generate`, {temperature}", statistics.median(times), None, times))
+            if args.no_serve or model != models[0]:
+                break
+            runs = median_runs(lambda env: time_to_healthy(serve, env, args.port, args.compile_timeout),
+                               args.repeats, fresh, args.num_threads)
+            compiled = [c for _, c in runs if c is not None]
+            rows.append((name, f"`inferno serve` healthy, {temperature}", statistics.median(h for h, _ in runs),
+                         statistics.median(compiled) if len(compiled) == len(runs) else None, [h for h, _ in runs]))
             print(rows[-1], flush=True)
-            if not args.no_serve:
-                runs = median_runs(lambda env: time_to_healthy(serve, env, args.port, args.compile_timeout),
-                                   args.repeats, fresh, args.num_threads)
-                compiled = [c for _, c in runs if c is not None]
-                rows.append((name, f"`inferno serve` healthy, {temperature}", statistics.median(h for h, _ in runs),
-                             statistics.median(compiled) if len(compiled) == len(runs) else None,
-                             [h for h, _ in runs]))
-                print(rows[-1], flush=True)
         if have_llamacpp:
             command = [sys.executable, "-c", LLAMACPP_FIRST_TOKEN, model, str(args.num_threads), PROMPT]
             times = median_runs(lambda env: time_to_first_output(command, env, args.timeout), args.repeats, False,
@@ -178,6 +233,10 @@ def main() -> None:
     for name, what, median, compiled, times in rows:
         lines.append(f"| {name} | {what} | {fmt(median)} | {fmt(compiled)} | "
                      f"{', '.join(f'{t:.2f}' for t in times)} |")
+    for name, times in phases:
+        lines += ["", f"Where the eager start-up of {name} goes (one run, in-process marks, `breakdown()` in "
+                  f"startup.py): " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items()) + " (engine: the rest of "
+                  "its construction)"]
     print("\n".join(lines))
     write_section(args.output, "startup", "\n".join(lines))
 

@@ -29,7 +29,9 @@ logger = logging.getLogger("inferno")
 # dynamo's compile stance is one for the whole process: held by a compile thread for its warm-up (stance "default")
 # and by every compiled step ("eager_on_recompile"); a step that finds it taken runs eagerly
 DYNAMO_STANCE = threading.Lock()
-COMPILE_NICENESS = int(os.environ.get("INFERNO_COMPILE_NICENESS", "10"))
+# the compile thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
+# starved for long by other processes, which would stall the serving thread waiting for the GIL
+COMPILE_NICENESS = 10
 DECODE_GROUP_SIZE = 32  # PyTorch path: decodes sorted by length are attended in groups padded to their longest
 
 
