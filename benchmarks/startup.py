@@ -121,9 +121,10 @@ def time_to_first_output(command: list[str], env: dict[str, str], timeout: float
         process.wait()
 
 
-def time_to_healthy(command: list[str], env: dict[str, str], port: int, timeout: float) -> tuple[float, float | None]:
+def time_to_healthy(command: list[str], env: dict[str, str], port: int, timeout: float,
+                    compile_timeout: float) -> tuple[float, float | None]:
     """Seconds to the first /health 200, and to the log line saying decode runs compiled (None if not seen within
-    `timeout`)."""
+    `compile_timeout` seconds after that)."""
     start = time.perf_counter()
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -131,7 +132,9 @@ def time_to_healthy(command: list[str], env: dict[str, str], port: int, timeout:
         healthy = None
         while healthy is None:
             if process.poll() is not None or time.perf_counter() - start > timeout:
-                raise RuntimeError(f"{shlex.join(command)} never became healthy")
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"{shlex.join(command)} never became healthy (exit status {process.poll()}):\n{tail}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
                     if response.status == 200:
@@ -139,7 +142,7 @@ def time_to_healthy(command: list[str], env: dict[str, str], port: int, timeout:
             except OSError:
                 time.sleep(0.02)
         compiled = None
-        while compiled is None and time.perf_counter() - start < timeout and process.poll() is None:
+        while compiled is None and time.perf_counter() - start < healthy + compile_timeout and process.poll() is None:
             log.seek(0)
             if b"run compiled from now on" in log.read():
                 compiled = time.perf_counter() - start
@@ -180,7 +183,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--no-serve", action="store_true", help="skip the server rows (run for the first --model only)")
     p.add_argument("--compile-timeout", type=float, default=240.0,
-                   help="seconds after start to wait for the server's compiled decode step")
+                   help="seconds after /health answers to wait for the server's compiled decode step")
     p.add_argument("--output", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = p.parse_args()
     from inferno.loader.model_loader import default_model_path
@@ -208,7 +211,7 @@ def main() -> None:
         for temperature, fresh in (("cold", True), ("warm", False)):
             if args.no_serve or model != models[0]:
                 break
-            runs = median_runs(lambda env: time_to_healthy(serve, env, args.port, args.compile_timeout),
+            runs = median_runs(lambda env: time_to_healthy(serve, env, args.port, args.timeout, args.compile_timeout),
                                args.repeats, fresh, args.num_threads)
             compiled = [c for _, c in runs if c is not None]
             rows.append((name, f"`inferno serve` healthy, {temperature}", statistics.median(h for h, _ in runs),
