@@ -138,7 +138,9 @@ class EngineConfig:
     quantization_group_size: int = 32
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: int = 4 << 30  # bytes for the KV cache pool (vLLM's CPU default is 4 GiB)
+    # bytes for the KV cache pool; None: half the memory available once the weights are loaded, at most max_num_seqs
+    # sequences of max_model_len tokens (inferno/worker/kv_cache.py)
+    kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8" / "fp8_e4m3": codes + per-token-per-head scales
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -171,6 +173,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory",
                      "tensor_parallel_size", "pipeline_parallel_size"):
+            if name == "kv_cache_memory" and self.kv_cache_memory is None:
+                continue
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

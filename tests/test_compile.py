@@ -1,18 +1,36 @@
-"""The torch.compile'd decode step computes what the eager one does, at batch 1 and with dynamic batch sizes."""
+"""The torch.compile'd decode step computes what the eager one does, at batch 1 and with dynamic batch sizes; it is
+compiled in the background and the engine switches to it between steps without changing a token."""
+import threading
+from dataclasses import replace
+
 import pytest
 from torch._dynamo.utils import counters
 
+from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.kernels import paged_attention
+from inferno.sampling_params import RequestOutputKind
+from inferno.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(paged_attention() is None, reason="the compiled decode step needs the native kernel")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three facts about the Moon:\n1."]
+PARAMS = SamplingParams(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True)
 
 
 def generate(llm: LLM, prompts: list[str]):
-    params = SamplingParams(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True)
-    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+def assert_same_tokens(ref, out, tol: float) -> None:
+    """Equal greedy tokens and close logprobs, up to the first token where the eager step's top-2 margin is within
+    rounding (both paths may pick either there)."""
+    for i, (token, lp) in enumerate(zip(ref.token_ids, ref.logprobs)):
+        if out.token_ids[i] != token:
+            top = sorted((p.logprob for p in lp.values()), reverse=True)
+            assert top[0] - top[1] < 2 * tol
+            return
+        assert abs(out.logprobs[i][token].logprob - lp[token].logprob) < tol
 
 
 # int4 computes in bfloat16, logits included: one bf16 ulp of a logit near 20 is 0.125
@@ -21,15 +39,41 @@ def generate(llm: LLM, prompts: list[str]):
 def test_compiled_decode_matches_eager(engine_args, tol):
     eager = LLM(kv_cache_memory=64 << 20, enable_prefix_caching=False, enforce_eager=True, **engine_args)
     compiled = LLM(kv_cache_memory=64 << 20, enable_prefix_caching=False, enforce_eager=False, **engine_args)
-    assert eager.llm_engine.model_runner.compiled_decode is None
-    assert compiled.llm_engine.model_runner.compiled_decode is not None
-    graphs = counters["stats"]["unique_graphs"]  # compiled at start-up: one request, and any batch
+    assert eager.llm_engine.model_runner.compile_thread is None
+    runner = compiled.llm_engine.model_runner
+    assert runner.wait_for_compiled_decode()
+    # the warm-up wrote K/V into the scratch block only, outside the pool
+    assert runner.scratch_block == compiled.llm_engine.num_blocks
+    for attn in runner.model.attention_layers:
+        assert not attn.k_cache[:, :runner.scratch_block].any() and attn.k_cache[:, runner.scratch_block].any()
+    graphs = counters["stats"]["unique_graphs"]  # compiled by the warm-up: one request, and any batch
     for prompts in (PROMPTS[:1], PROMPTS):  # batch 1 (a specialised graph), then a dynamic batch size
         for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):
-            for i, (token, lp) in enumerate(zip(ref.token_ids, ref.logprobs)):
-                if out.token_ids[i] != token:  # only where the eager step's top-2 margin is within rounding
-                    top = sorted((p.logprob for p in lp.values()), reverse=True)
-                    assert top[0] - top[1] < 2 * tol
-                    break
-                assert abs(out.logprobs[i][token].logprob - lp[token].logprob) < tol
+            assert_same_tokens(ref, out, tol)
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for other batch sizes or table widths
+
+
+def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(monkeypatch):
+    """Requests start while the decode step is still compiling (held back here), run eagerly, and finish on the
+    compiled step once it is handed over: the same tokens as all-eager, no block leaked, nothing compiled twice."""
+    release = threading.Event()
+    compile_decode_step = ModelRunner._compile_decode_step
+    monkeypatch.setattr(ModelRunner, "_compile_decode_step", lambda self: (release.wait(), compile_decode_step(self)))
+    eager = LLM(kv_cache_memory=64 << 20, dtype="float32", enforce_eager=True)
+    llm = LLM(kv_cache_memory=64 << 20, dtype="float32", enforce_eager=False)
+    engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, replace(PARAMS, output_kind=RequestOutputKind.FINAL_ONLY))
+    finished = {}
+    for _ in range(8):  # prefill and some eager decode steps
+        finished.update((o.request_id, o) for o in engine.step())
+    assert runner.compiled_decode is None and not finished
+    release.set()
+    assert runner.wait_for_compiled_decode()
+    graphs = counters["stats"]["unique_graphs"]
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step())
+    assert counters["stats"]["unique_graphs"] == graphs
+    for i, ref in enumerate(generate(eager, PROMPTS)):
+        assert_same_tokens(ref, finished[str(i)].outputs[0], 1e-4)
+    assert_all_blocks_free(engine)

@@ -19,6 +19,7 @@ from inferno.sampling_params import SamplingParams
 from inferno.spec_decode.draft_model import DraftModelProposer
 from inferno.spec_decode.metrics import SpecDecodingStats
 from inferno.spec_decode.ngram import NgramProposer
+from inferno.worker.kv_cache import log_kv_cache
 from inferno.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("inferno")
@@ -41,6 +42,8 @@ class LLMEngine:
         except ValueError:
             self.executor.shutdown()
             raise
+        log_kv_cache(self.num_blocks, config.block_size, worker.kv_block_bytes,
+                     self.max_model_len, auto=config.kv_cache_memory is None)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -78,6 +81,10 @@ class LLMEngine:
         return cls(EngineConfig(**kwargs))
 
     def _max_model_len(self, cache_tokens: int) -> int:
+        """At most what the pool holds for one request, with the slots a draft model writes beyond its tokens:
+        a request the pool can never hold would wait forever."""
+        spec = self.config.speculative_config
+        cache_tokens -= spec.num_lookahead_tokens if spec is not None else 0
         model_len = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len
         if wanted is not None:

@@ -1,6 +1,7 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come."""
 import argparse
 import json
+import logging
 import sys
 import uuid
 
@@ -22,7 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=[32, 64, 128, -1],
                         help="input columns per scale and zero point; -1: per output channel (int8 only)")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes for the KV cache")
+    parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
+                        help="bytes for the KV cache (default: half the memory available after loading the model, "
+                             "at most --max-num-seqs sequences of --max-model-len tokens)")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8", "fp8_e4m3"],
                         help="KV cache storage (auto: the model dtype; int8/fp8: per-token-per-head scales)")
     parser.add_argument("--block-size", type=int, default=d.block_size)
@@ -38,9 +41,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a rank waits inside a step for the others before the engine fails")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching, help="reuse the KV cache of prompts' common prefixes")
-    parser.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
-                        help="run every step in eager PyTorch (default: decode steps use a torch.compile'd forward, "
-                             "compiled when the engine starts and cached on disk)")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
+                        help="run every step in eager PyTorch (default for `generate`, whose one request ends before "
+                             "a compile would; otherwise decode steps switch to a torch.compile'd forward once a "
+                             "background thread has built it, serving eagerly until then)")
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
@@ -149,6 +153,12 @@ def chat_loop(engine: LLMEngine, args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> None:
     from inferno.server.app import run_server  # fastapi and uvicorn load only for `serve`
+    # the engine's start-up report (what fits in the KV cache, when decode runs compiled) next to uvicorn's lines
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("inferno")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     args.model = args.model_tag or args.model
     run_server(engine_config(args), server_config(args))
 
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
     add_sampling_args(gen)
+    gen.set_defaults(enforce_eager=True)  # see --enforce-eager
     gen.set_defaults(func=run_generate)
     chat = commands.add_parser("chat", help="interactive chat, streamed")
     chat.add_argument("--system", default=None, help="system prompt")

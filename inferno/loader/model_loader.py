@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
@@ -92,7 +93,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple
             model = LlamaForCausalLM(config, parallel)
     finally:
         torch.set_default_dtype(default_dtype)
-    model.to_empty(device="cpu")
+    materialize(model)
     if config.tie_word_embeddings and model.holds_head:
         model.lm_head.weight = model.embed_tokens.weight
     prequantized = load_weights(model, weights)
@@ -101,6 +102,15 @@ def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple
     elif quantization is not None:
         quantize_linears(model, quantization, group_size, prequantized)
     return model.eval().requires_grad_(False)
+
+
+def materialize(model: nn.Module) -> None:
+    """Uninitialized CPU storage for the parameters built on the meta device: `to_empty` without its meta-tensor
+    path, whose first use imports sympy (about half a second of every start-up)."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                               requires_grad=param.requires_grad))
 
 
 def load_weights(model: LlamaForCausalLM,

@@ -1,5 +1,7 @@
 """Runs one scheduled step: flat input tensors from the schedule, the forward pass(es), sampling."""
 import logging
+import os
+import threading
 import time
 import types
 
@@ -19,10 +21,17 @@ from inferno.model.llama import LlamaForCausalLM
 from inferno.request import Request
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.cpu_malloc import keep_freed_memory
+from inferno.worker.kv_cache import lazily_zeroed
 
 
 logger = logging.getLogger("inferno")
 
+# dynamo's compile stance is one for the whole process: held by a compile thread for its warm-up (stance "default")
+# and by every compiled step ("eager_on_recompile"); a step that finds it taken runs eagerly
+DYNAMO_STANCE = threading.Lock()
+# the compile thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
+# starved for long by other processes, which would stall the serving thread waiting for the GIL
+COMPILE_NICENESS = 10
 DECODE_GROUP_SIZE = 32  # PyTorch path: decodes sorted by length are attended in groups padded to their longest
 
 
@@ -50,29 +59,35 @@ class ModelRunner:
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         keep_freed_memory()
-        # zeros, not empty: masked-out slots are still multiplied by zero weights, and stale NaN/inf garbage would
-        # turn that into NaN
+        # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
+        # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
+        self.compiled_decode = None
+        compile_decode = not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1
+        # one block beyond the pool when compiling: the warm-up's scratch, which no request can hold
+        self.scratch_block = num_blocks if compile_decode else None
+        self.num_cache_blocks = num_blocks + compile_decode
+        # zeros, not garbage: masked-out slots are still multiplied by zero weights, and stale NaN/inf would turn
+        # that into NaN. The OS zero-fills the pages on first touch, so start-up writes nothing.
         cache_dtype = KV_CACHE_DTYPES[engine_config.kv_cache_dtype] if quantized_kv else self.dtype
         for attn in model.attention_layers:
-            shape = (attn.num_kv_heads, num_blocks, self.block_size, self.config.head_dim)  # this rank's heads
-            attn.k_cache = torch.zeros(shape, dtype=cache_dtype)
-            attn.v_cache = torch.zeros(shape, dtype=cache_dtype)
+            shape = (attn.num_kv_heads, self.num_cache_blocks, self.block_size, self.config.head_dim)  # this rank's
+            attn.k_cache = lazily_zeroed(shape, cache_dtype)
+            attn.v_cache = lazily_zeroed(shape, cache_dtype)
             if quantized_kv:
-                attn.k_scale = torch.zeros(shape[:-1])
-                attn.v_scale = torch.zeros(shape[:-1])
+                attn.k_scale = lazily_zeroed(shape[:-1], torch.float32)
+                attn.v_scale = lazily_zeroed(shape[:-1], torch.float32)
         self.num_kv_heads = model.attention_layers[0].num_kv_heads
-        # Decode-only steps of a single-rank model with the native kernel go through torch.compile: the layers'
-        # elementwise ops fuse and one call replaces some 40 Python-dispatched ops per layer. Shapes are dynamic
-        # (batch size, block-table width); guards on the modules are skipped because the weights and caches stay
-        # the same tensors for the runner's lifetime, so each runner compiles its own copy of the function (graphs
-        # are cached per code object: a draft model's runner must not find the target's). Fused bfloat16 ops round
-        # where the eager ones do, so both paths give the same numbers.
-        self.compiled_decode = None
-        if not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1:
-            self.compiled_decode = torch.compile(with_own_code(self._decode_forward), dynamic=True, options={
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                "emulate_precision_casts": True})
-            self._compile_decode_step()
+        self.compile_thread: threading.Thread | None = None
+        if compile_decode:
+            self.compile_thread = threading.Thread(target=self._compile_decode_step, name="inferno-compile-decode",
+                                                   daemon=True)
+            self.compile_thread.start()
+
+    def wait_for_compiled_decode(self, timeout: float | None = None) -> bool:
+        """Block until the background compile is over; True if decode steps now run compiled."""
+        if self.compile_thread is not None:
+            self.compile_thread.join(timeout)
+        return self.compiled_decode is not None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -100,9 +115,14 @@ class ModelRunner:
         decodes = mb.decodes
         input_ids, positions, slot_mapping = (torch.tensor(values, dtype=torch.long)
                                               for values in (mb.input_ids, mb.positions, mb.slot_mapping))
-        if self.compiled_decode is not None and not mb.prefills and hidden is None:
-            group = self._decode_group(0, decodes)
-            return self._run_compiled_decode(input_ids, positions, slot_mapping, group.block_tables, group.seq_lens)
+        compiled = self.compiled_decode
+        if compiled is not None and not mb.prefills and hidden is None and DYNAMO_STANCE.acquire(blocking=False):
+            try:
+                group = self._decode_group(0, decodes)
+                return self._run_compiled_decode(compiled, input_ids, positions, slot_mapping, group.block_tables,
+                                                 group.seq_lens)
+            finally:
+                DYNAMO_STANCE.release()
         group_size = max(len(decodes), 1) if self.use_kernels else DECODE_GROUP_SIZE
         groups = [self._decode_group(i, decodes[i:i + group_size]) for i in range(0, len(decodes), group_size)]
         prefills, start = [], len(decodes)
@@ -111,22 +131,47 @@ class ModelRunner:
             start += n
         return self.model(input_ids, positions, AttentionMetadata(slot_mapping, groups, prefills), hidden)
 
-    @torch.inference_mode()
     def _compile_decode_step(self) -> None:
-        """Compile now rather than on the first requests: the graph for one sequence, then the dynamic-batch one
-        (three-block tables: equal sizes would be tied together). The dummy token writes K/V into slot 0 of
-        block 0, which no request holds yet."""
-        start = time.perf_counter()
-        for batch in (1, 2):
-            self._run_compiled_decode(*(torch.zeros(batch, dtype=torch.long) for _ in range(3)),
-                                      torch.zeros(batch, 3, dtype=torch.long), torch.ones(batch, dtype=torch.long),
-                                      stance="default")
-        logger.info("compiled the decode step in %.1f s (enforce_eager=True skips this)", time.perf_counter() - start)
+        """The compile thread: build the decode graphs, then hand them to the serving thread (`compiled_decode`),
+        which picks them up at its next step.
 
-    def _run_compiled_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        The layers' elementwise ops fuse and one call replaces some 40 Python-dispatched ops per layer. Shapes are
+        dynamic (batch size, block-table width); guards on the modules are skipped because the weights and caches
+        stay the same tensors for the runner's lifetime, so each runner compiles its own copy of the function
+        (graphs are cached per code object: a draft model's runner must not find the target's). Fused bfloat16 ops
+        round where the eager ones do, so both paths give the same numbers.
+
+        Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
+        hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
+        modules. The warm-up calls do run the graphs on the real caches, but write only the scratch block. What is
+        shared is dynamo's compile stance (process-wide): DYNAMO_STANCE keeps it to one thread at a time. The thread
+        runs at a lower OS priority (Linux), as do the compiler processes it starts, so serving keeps its core."""
+        lower_thread_priority()
+        compiled = torch.compile(with_own_code(self._decode_forward), dynamic=True, options={
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True})
+        start = time.perf_counter()
+        try:
+            with DYNAMO_STANCE, torch.inference_mode():
+                # the graph for one sequence, then the dynamic-batch one (three-block tables: equal sizes would be
+                # tied together), all on the scratch block
+                slot = self.scratch_block * self.block_size
+                for batch in (1, 2):
+                    self._run_compiled_decode(
+                        compiled, torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
+                        torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
+                        torch.ones(batch, dtype=torch.long), stance="default")
+        except Exception:
+            logger.exception("compiling the decode step failed; decode steps stay eager")
+            return
+        self.compiled_decode = compiled
+        logger.info("decode steps run compiled from now on (compiled in the background in %.1f s)",
+                    time.perf_counter() - start)
+
+    @staticmethod
+    def _run_compiled_decode(compiled, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              stance: str = "eager_on_recompile") -> torch.Tensor:
-        """Two graphs, compiled at start-up (`stance` "default" there): one request (sizes of 1 are always
+        """Two graphs, compiled by the warm-up (`stance` "default" there): one request (sizes of 1 are always
         specialised) and small batches. The batch graph is guarded on the row counts where quantized layers switch kernels (e.g. int4 dequantizes
         from 96 rows); a batch beyond them runs eagerly instead of compiling more graphs mid-serving (where the
         per-op overhead matters less anyway). The block-table width and the batch size are marked dynamic
@@ -138,7 +183,7 @@ class ModelRunner:
             for t in (input_ids, positions, slot_mapping, block_tables, seq_lens):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         with torch.compiler.set_stance(stance):
-            return self.compiled_decode(input_ids, positions, slot_mapping, block_tables, seq_lens)
+            return compiled(input_ids, positions, slot_mapping, block_tables, seq_lens)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -183,7 +228,7 @@ class ModelRunner:
             out.sampled_token_ids[req.request_id] = tokens
 
     def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
-        return block_rows(block_ids, self.num_kv_heads, self.num_blocks)
+        return block_rows(block_ids, self.num_kv_heads, self.num_cache_blocks)
 
     def _prefill_chunk(self, start: int, n: int, num_computed: int, block_ids: list[int]) -> PrefillChunk:
         table = torch.tensor(block_ids[:cdiv(num_computed + n, self.block_size)], dtype=torch.long)
@@ -204,6 +249,14 @@ class ModelRunner:
             group.block_rows = self._rows(tables)
             group.mask = (torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
         return group
+
+
+def lower_thread_priority() -> None:
+    """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 def with_own_code(method: types.MethodType) -> types.MethodType:
