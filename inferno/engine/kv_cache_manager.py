@@ -4,12 +4,9 @@ Block tables can share blocks: prefix-cache hits share full blocks between reque
 forks (the samples of an n > 1 request, beams) share their parent's blocks. A shared block is never written:
 before a request writes into a partial block someone else holds, it gets a private copy (copy-on-write).
 """
-from inferno.engine.block_pool import BlockHash, BlockPool, hash_block
+from inferno.core.kv_blocks import BlockHash, cdiv, hash_block
+from inferno.engine.block_pool import BlockPool
 from inferno.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

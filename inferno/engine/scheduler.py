@@ -9,15 +9,17 @@ import time
 from collections import deque
 
 from inferno.config import EngineConfig
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.engine.kv_cache_manager import KVCacheManager
-from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.engine.stop_checker import StopChecker
 from inferno.request import Request, RequestStatus
 from inferno.spec_decode.metrics import SpecDecodingStats
 from inferno.spec_decode.policy import SpeculationPolicy
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, stop_checker: StopChecker):
+        self.stop_checker = stop_checker
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.kv_cache_manager = kv_cache_manager
@@ -129,8 +131,7 @@ class Scheduler:
             stopped = False
             if tokens is not None and req.beam_search_id is None:  # a beam's search appends its tokens itself
                 for token in tokens:  # stop checks token by token; tokens after a stop are dropped
-                    req.append_token(token)
-                    if req.check_stop():
+                    if self.stop_checker.append_token(req, token):
                         stopped = True
                         break
                 # tokens after a stop were dropped: only what is in token_ids counts as computed
@@ -163,7 +164,6 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv_cache_manager.free(req)
-        req.metrics.finished_time = time.time()
         self.requests.pop(req.request_id, None)
         # its prompt was never computed: the requests waiting to fork it compute the prompt themselves
         self.waiting.extendleft(reversed(self.forks.pop(req.request_id, [])))

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from inferno.config import EngineConfig
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.process_group import init_process_groups, launched_by_torchrun, threads_per_rank
-from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.worker.input_batch import StepInput, plan_step
 from inferno.worker.worker import Worker
 
@@ -69,6 +69,9 @@ class MultiprocExecutor:
             raise error from e
         self.parallel = parallel
         self.model_runner = self.worker.model_runner
+        # what the engine needs to know of the model: its files, shape, tokenizer and KV blocks
+        self.model_path, self.model_config = self.worker.model_path, self.worker.model_config
+        self.tokenizer, self.num_blocks = self.worker.tokenizer, self.worker.num_blocks
         if parallel.rank != 0:  # torchrun: this process serves rank 0 until it shuts down, then exits
             self.worker.serve(self.control)
             dist.destroy_process_group()

@@ -5,8 +5,8 @@ pickles small when rank 0 broadcasts it. `StepPlan` adds what only rank 0 needs 
 """
 from dataclasses import dataclass, field
 
-from inferno.engine.kv_cache_manager import cdiv
-from inferno.engine.scheduler_output import SchedulerOutput
+from inferno.core.kv_blocks import cdiv
+from inferno.core.scheduler_output import SchedulerOutput
 from inferno.request import Request
 
 MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks over cached context up to this long attend as decode rows

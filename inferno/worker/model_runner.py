@@ -7,9 +7,8 @@ import torch
 
 from inferno.config import EngineConfig, ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
-from inferno.distributed.pipeline import run_first_stage, run_later_stage
-from inferno.engine.kv_cache_manager import cdiv
-from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.core.kv_blocks import cdiv
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.kernels import paged_attention
 from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
@@ -18,6 +17,7 @@ from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
 from inferno.request import Request
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
+from inferno.worker.pipeline import run_first_stage, run_later_stage
 from inferno.worker.cpu_malloc import keep_freed_memory
 
 
@@ -89,10 +89,11 @@ class ModelRunner:
         if self.parallel.pp_size == 1:
             hidden = [self.forward(mb)[mb.logit_rows] for mb in step.micro_batches]
             return self.model.compute_logits(torch.cat(hidden)) if step.num_logit_rows else None
+        stage = (self.forward, step, self.parallel, self.config.hidden_size, self.dtype)
         if not self.parallel.is_first_stage:
-            run_later_stage(self, step, self.parallel)
+            run_later_stage(*stage)
             return None
-        logits = [self.model.compute_logits(hidden) for hidden in run_first_stage(self, step, self.parallel)]
+        logits = [self.model.compute_logits(hidden) for hidden in run_first_stage(*stage)]
         return torch.cat(logits) if logits and logits[0] is not None else None
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
