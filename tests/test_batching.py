@@ -37,7 +37,7 @@ def test_a_step_runs_prompts_of_mixed_lengths_together(llm, prompts, monkeypatch
 
     def recording_schedule():
         sched = schedule()
-        scheduled_lengths.append(set(sched.num_scheduled_tokens))
+        scheduled_lengths.append(set(sched.num_scheduled_tokens.values()))
         return sched
 
     monkeypatch.setattr(llm.llm_engine.scheduler, "schedule", recording_schedule)

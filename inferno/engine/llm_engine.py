@@ -13,7 +13,7 @@ from inferno.engine.detokenizer import IncrementalDetokenizer
 from inferno.engine.input_processor import InputProcessor, PromptType
 from inferno.engine.scheduler import Scheduler
 from inferno.engine.stop_checker import StopChecker
-from inferno.core.scheduler_output import ModelRunnerOutput
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.executor import ExecutorDeadError, make_executor
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
@@ -141,16 +141,16 @@ class LLMEngine:
     # one step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        if not sched.requests:
+        if not sched.num_scheduled_tokens:
             return []
         try:
             output = self.executor.execute_model(sched)
         except ExecutorDeadError:  # no step can run any more: the engine is done
-            self._fail(sched.requests, "the engine's worker ranks died")
+            self._fail(self._requests_in(sched), "the engine's worker ranks died")
             raise
         except Exception as e:  # one bad step ends the requests in it, not the engine
-            logger.exception("model step failed; ending the %d requests in it", len(sched.requests))
-            return self._fail(sched.requests, f"{type(e).__name__}: {e}")
+            logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
+            return self._fail(self._requests_in(sched), f"{type(e).__name__}: {e}")
         updated = self.scheduler.update_from_output(sched, output)
         beams = [req for req in updated if req.beam_search_id is not None]
         outputs = self._advance_beam_searches(beams, output) if beams else []
@@ -169,6 +169,9 @@ class LLMEngine:
             if req.is_finished:  # the scheduler's stop checker decided it, with this step's last token
                 req.metrics.finished_time = now
         return outputs + self.output_processor.make_outputs(updated)
+
+    def _requests_in(self, sched: SchedulerOutput) -> list[Request]:
+        return [self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens]
 
     def _advance_beam_searches(self, beams: list[Request], output: ModelRunnerOutput) -> list[RequestOutput]:
         """Hand each beam's log-probabilities to its search; a search whose beams have all reported advances."""
