@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from inferno.engine.block_pool import BlockHash
+from inferno.core.kv_blocks import BlockHash
 from inferno.outputs import PositionLogprobs, RequestMetrics
 from inferno.sampling_params import SamplingParams
 
@@ -88,19 +88,3 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-
-    def check_stop(self) -> bool:
-        """Stop on EOS / stop token / length after a token was appended; sets the finished status."""
-        last = self.token_ids[-1]
-        if self.num_output_tokens >= self.sampling_params.min_tokens:
-            if last in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in self.sampling_params.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
-                return True
-        if self.num_output_tokens >= self.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False

@@ -7,6 +7,7 @@ import torch
 
 from inferno import LLM
 from inferno.engine.llm_engine import LLMEngine
+from inferno.outputs import Logprob
 from inferno.loader.model_loader import default_model_path
 from inferno.request import Request
 from inferno.sampling_params import SamplingParams
@@ -55,3 +56,25 @@ def prefill_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
 def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.num_free_blocks == engine.num_blocks
+
+
+# greedy comparisons between two correct runs
+def top2_gap(position: dict[int, Logprob]) -> float:
+    """Gap between the two best log-probabilities at one position (a Logprob dict with at least two entries)."""
+    best, second = sorted((lp.logprob for lp in position.values()), reverse=True)[:2]
+    return best - second
+
+
+def is_near_tie(gap: float, logit_tolerance: float) -> bool:
+    """Two runs whose logits differ by up to `logit_tolerance` can order two tokens differently only when their
+    gap is below twice that: there either greedy pick is right."""
+    return gap < 2 * logit_tolerance
+
+
+def num_clear_positions(gaps: list[float], logit_tolerance: float, min_compared: int = 1) -> int:
+    """How many leading positions of a reference have a clear greedy choice (the tokens two runs must agree on, up to
+    its first near-tie). Fails when fewer than `min_compared` (at least 1): comparing nothing proves nothing."""
+    clear = next((i for i, gap in enumerate(gaps) if is_near_tie(gap, logit_tolerance)), len(gaps))
+    assert clear >= max(1, min_compared), (f"the reference has a near-tie at position {clear}, leaving fewer than "
+                                           f"{max(1, min_compared)} positions to compare; pick another prompt")
+    return clear

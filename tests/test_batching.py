@@ -30,8 +30,19 @@ def run_batch(llm: LLM, prompts: list[list[int]], **params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_prompts_have_mixed_lengths(prompts):
-    assert len({len(p) for p in prompts}) >= 10
+def test_a_step_runs_prompts_of_mixed_lengths_together(llm, prompts, monkeypatch):
+    """The batch is ragged where it matters: one step computes prompts of at least 10 different lengths."""
+    scheduled_lengths = []
+    schedule = llm.llm_engine.scheduler.schedule
+
+    def recording_schedule():
+        sched = schedule()
+        scheduled_lengths.append(set(sched.num_scheduled_tokens.values()))
+        return sched
+
+    monkeypatch.setattr(llm.llm_engine.scheduler, "schedule", recording_schedule)
+    run_batch(llm, prompts)
+    assert max(len(lengths) for lengths in scheduled_lengths) >= 10
 
 
 def test_batch_of_16_matches_alone(llm, prompts, alone):

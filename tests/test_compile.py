@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 from torch._dynamo.utils import counters
 
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, is_near_tie, top2_gap
 from inferno import LLM, SamplingParams
 from inferno.kernels import paged_attention
 from inferno.sampling_params import RequestOutputKind
@@ -27,8 +27,7 @@ def assert_same_tokens(ref, out, tol: float) -> None:
     rounding (both paths may pick either there)."""
     for i, (token, lp) in enumerate(zip(ref.token_ids, ref.logprobs)):
         if out.token_ids[i] != token:
-            top = sorted((p.logprob for p in lp.values()), reverse=True)
-            assert top[0] - top[1] < 2 * tol
+            assert is_near_tie(top2_gap(lp), tol)
             return
         assert abs(out.logprobs[i][token].logprob - lp[token].logprob) < tol
 

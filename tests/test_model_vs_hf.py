@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import prefill_logits
+from conftest import num_clear_positions, prefill_logits
 from inferno import LLM, SamplingParams
 
 PROMPTS = [
@@ -11,7 +11,8 @@ PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
 ]
-MIN_MARGIN = 0.02  # below this top-2 logit gap, float noise may legitimately pick either token
+# greedy decode logits vs HF's: looser than the prefill's 1e-3 (HF's cached decode sums in another order)
+GREEDY_LOGIT_TOLERANCE = 0.01
 
 
 @torch.inference_mode()
@@ -25,8 +26,7 @@ def hf_greedy(hf_model, ids: list[int], n: int) -> tuple[list[int], list[float]]
 
 def assert_greedy_equal(ours: list[int], ref: list[int], margins: list[float], min_compared: int) -> None:
     """Token-for-token equality up to the first near-tie of the reference."""
-    clear = next((i for i, m in enumerate(margins) if m < MIN_MARGIN), len(margins))
-    assert clear >= min_compared, f"reference has a near-tie at step {clear}; pick another prompt"
+    clear = num_clear_positions(margins, GREEDY_LOGIT_TOLERANCE, min_compared)
     assert ours[:clear] == ref[:clear], (ours, ref)
     if clear == len(margins):
         assert ours == ref
@@ -98,5 +98,4 @@ def test_hf_folder_model_matches_hf(llm, tmp_path, kind):
     assert (ours - ref).abs().max().item() < 1e-3
     ref_tokens, margins = hf_greedy(hf_model, ids[:20], 32)
     out = tiny.generate({"prompt_token_ids": ids[:20]}, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    clear = next((i for i, m in enumerate(margins) if m < MIN_MARGIN), 32)
-    assert out[0].outputs[0].token_ids[:clear] == ref_tokens[:clear]
+    assert_greedy_equal(out[0].outputs[0].token_ids, ref_tokens, margins, min_compared=1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import FLOAT32, prefill_logits
+from conftest import FLOAT32, num_clear_positions, prefill_logits, top2_gap
 from inferno import LLM, SamplingParams
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.partition import split_heads
@@ -25,7 +25,6 @@ from test_model_vs_hf import PROMPTS, write_tiny_hf_model
 from test_server import RemoteServer
 
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2)}
-MIN_MARGIN = 1e-3  # top-2 logprob gap of the single process below which either token is a fair greedy pick
 LOGIT_TOLERANCE = 1e-4
 
 
@@ -43,18 +42,11 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def top2_gap(step: dict) -> float:
-    best, second = sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
-    return best - second
-
-
 def assert_same_greedy(reference, outputs, min_compared: int) -> None:
     """Same tokens up to the reference's first near-tie, with logprobs within the logit tolerance."""
     for ref, out in zip(reference, outputs):
         ref, out = ref.outputs[0], out.outputs[0]
-        margins = [top2_gap(step) for step in ref.logprobs]
-        clear = next((i for i, m in enumerate(margins) if m < MIN_MARGIN), len(margins))
-        assert clear >= min_compared, f"reference has a near-tie at step {clear}; pick another prompt"
+        clear = num_clear_positions([top2_gap(step) for step in ref.logprobs], LOGIT_TOLERANCE, min_compared)
         assert out.token_ids[:clear] == ref.token_ids[:clear], (out.token_ids, ref.token_ids)
         for ref_step, step in zip(ref.logprobs[:clear], out.logprobs[:clear]):
             for token, lp in ref_step.items():
@@ -123,9 +115,8 @@ def test_ngram_speculation_with_pipeline_parallelism_matches_plain_decoding(llm)
     prompts = [story, PROMPTS[0]]
     reference = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True),
                              use_tqdm=False)
-    clear = [next((i for i, step in enumerate(ref.outputs[0].logprobs) if top2_gap(step) < MIN_MARGIN), 16)
-             for ref in reference]
-    assert clear[0] >= 8
+    clear = [num_clear_positions([top2_gap(step) for step in ref.outputs[0].logprobs], LOGIT_TOLERANCE, min_compared)
+             for ref, min_compared in zip(reference, (8, 1))]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with parallel_llm(kv_cache_memory=16 << 20, pipeline_parallel_size=2, speculative_config=spec,

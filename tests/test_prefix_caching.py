@@ -4,7 +4,8 @@ import torch
 
 from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
-from inferno.engine.block_pool import BlockHash, BlockPool, hash_block
+from inferno.core.kv_blocks import BlockHash, hash_block
+from inferno.engine.block_pool import BlockPool
 from inferno.worker.model_runner import kv_bytes_per_block
 
 MAX_TOKENS = 12

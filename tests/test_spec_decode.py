@@ -181,8 +181,8 @@ def test_disable_by_batch_size_switches_speculation_off_in_large_batches(model_p
     lengths = [4, 8, MAX_TOKENS]
     outputs = token_ids(spec_llm, prompts, [greedy(max_tokens=n) for n in lengths])
     assert outputs == [ref[:n] for ref, n in zip(reference, lengths)]
-    assert all(not s.spec_token_ids for s in schedules if len(s.requests) >= 2)
-    assert any(s.spec_token_ids for s in schedules if len(s.requests) == 1)
+    assert all(not s.spec_token_ids for s in schedules if len(s.num_scheduled_tokens) >= 2)
+    assert any(s.spec_token_ids for s in schedules if len(s.num_scheduled_tokens) == 1)
     assert spec_llm.llm_engine.spec_decoding_stats.num_disabled_steps > 0
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
-from inferno.engine.llm_engine import LLMEngine, PromptType
+from inferno.engine.input_processor import PromptType
+from inferno.engine.llm_engine import LLMEngine
 from inferno.executor import ExecutorDeadError
 from inferno.loader.tokenizer import Tokenizer
 from inferno.outputs import RequestOutput

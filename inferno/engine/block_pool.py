@@ -4,24 +4,9 @@ A full block can be registered in the prefix cache under the hash of its tokens 
 When its last request lets go, the block keeps its K/V and its hash and waits in the free queue (a block freed
 earlier is handed out first); a prefix-cache hit takes it back out, and handing it out to new tokens evicts it.
 """
-import hashlib
-from array import array
 from collections import OrderedDict
-from typing import NamedTuple
 
-
-class BlockHash(NamedTuple):
-    """Identity of a full block: the SHA-256 of the whole token prefix up to and including the block (chained
-    through the parent block's digest), plus the block's own token ids, compared exactly. Serving a wrong block
-    would take a SHA-256 collision."""
-    digest: bytes
-    token_ids: tuple[int, ...]
-
-
-def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    digest = hashlib.sha256(parent.digest if parent is not None else b"")
-    digest.update(array("q", token_ids).tobytes())
-    return BlockHash(digest.digest(), tuple(token_ids))
+from inferno.core.kv_blocks import BlockHash
 
 
 class BlockPool:

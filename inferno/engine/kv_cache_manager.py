@@ -4,12 +4,13 @@ Block tables can share blocks: prefix-cache hits share full blocks between reque
 forks (the samples of an n > 1 request, beams) share their parent's blocks. A shared block is never written:
 before a request writes into a partial block someone else holds, it gets a private copy (copy-on-write).
 """
-from inferno.engine.block_pool import BlockHash, BlockPool, hash_block
+import logging
+
+from inferno.core.kv_blocks import BlockHash, cdiv, hash_block
+from inferno.engine.block_pool import BlockPool
 from inferno.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+logger = logging.getLogger("inferno")
 
 
 class KVCacheManager:
@@ -123,3 +124,11 @@ class KVCacheManager:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]
+
+
+def log_kv_cache(num_blocks: int, block_size: int, block_bytes: int, max_model_len: int, auto: bool) -> None:
+    """What fits, the way vLLM and llama.cpp users are used to reading it."""
+    tokens = num_blocks * block_size
+    how = " (kv_cache_memory: auto, half the memory available after loading the weights)" if auto else ""
+    logger.info("KV cache: %d blocks = %d tokens, %.2f GiB; %.1f sequences of max_model_len %d%s", num_blocks,
+                tokens, num_blocks * block_bytes / (1 << 30), tokens / max_model_len, max_model_len, how)

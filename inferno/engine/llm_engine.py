@@ -7,11 +7,13 @@ import torch
 
 from inferno.config import EngineConfig
 from inferno.engine.beam_search import BeamSearch
-from inferno.engine.kv_cache_manager import KVCacheManager
+from inferno.engine.kv_cache_manager import KVCacheManager, log_kv_cache
 from inferno.engine.output_processor import OutputProcessor, RequestState, SampleState
 from inferno.engine.detokenizer import IncrementalDetokenizer
+from inferno.engine.input_processor import InputProcessor, PromptType
 from inferno.engine.scheduler import Scheduler
-from inferno.engine.scheduler_output import ModelRunnerOutput
+from inferno.engine.stop_checker import StopChecker
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.executor import ExecutorDeadError, make_executor
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
@@ -19,34 +21,30 @@ from inferno.sampling_params import SamplingParams
 from inferno.spec_decode.draft_model import DraftModelProposer
 from inferno.spec_decode.metrics import SpecDecodingStats
 from inferno.spec_decode.ngram import NgramProposer
-from inferno.worker.kv_cache import log_kv_cache
-from inferno.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("inferno")
-
-PromptType = str | dict | list[int]
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         torch.manual_seed(config.seed)
         self.executor = make_executor(config)
-        worker = self.executor.worker
-        self.model_path = worker.model_path
-        self.model_config = worker.model_config
-        self.tokenizer = worker.tokenizer
-        self.num_blocks = worker.num_blocks
+        self.model_path = self.executor.model_path
+        self.model_config = self.executor.model_config
+        self.tokenizer = self.executor.tokenizer
+        self.num_blocks = self.executor.num_blocks
         try:
             self.max_model_len = self._max_model_len(self.num_blocks * config.block_size)
         except ValueError:
             self.executor.shutdown()
             raise
-        log_kv_cache(self.num_blocks, config.block_size, worker.kv_block_bytes,
+        log_kv_cache(self.num_blocks, config.block_size, self.executor.kv_block_bytes,
                      self.max_model_len, auto=config.kv_cache_memory is None)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        stop_checker = StopChecker(self.output_processor.detokenize_last_token)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, stop_checker)
         self.beam_searches: dict[str, BeamSearch] = {}
         try:
             self.proposer = self._proposer()
@@ -55,7 +53,7 @@ class LLMEngine:
             raise
 
     @property
-    def model_runner(self) -> ModelRunner:
+    def model_runner(self):
         """Rank 0's model runner (the only one with one process)."""
         return self.executor.model_runner
 
@@ -101,47 +99,13 @@ class LLMEngine:
         return model_len
 
     # requests in
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError("prompt must be a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids'")
-
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
-                             f"(at least one token must be left for the output)")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is out of range for vocabulary size {vocab}")
-
-    def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: values measured against this model's vocabulary."""
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, got {params.stop_token_ids}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > vocab:
-                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
-
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        params = params or SamplingParams()
         if self.output_processor.has_request(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_params(params)
-        text, token_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids)
-        arrival_time = arrival_time or time.time()
+        request = self.input_processor.process(request_id, prompt, params or SamplingParams(), arrival_time)
+        text, token_ids, params, arrival_time = (request.prompt, request.prompt_token_ids, request.sampling_params,
+                                                 request.arrival_time)
         if params.use_beam_search:
             search = BeamSearch(request_id, text, token_ids, params, self.tokenizer.eos_token_ids,
                                 self.max_model_len, arrival_time)
@@ -172,7 +136,7 @@ class LLMEngine:
                 continue
             for sample in state.samples:
                 self.output_processor.sample_of.pop(sample.request.request_id, None)
-                self.scheduler.finish_request(sample.request.request_id, RequestStatus.FINISHED_ABORTED)
+                self._finish(sample.request.request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -183,26 +147,21 @@ class LLMEngine:
     # one step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        if not sched.requests:
+        if not sched.num_scheduled_tokens:
             return []
         try:
             output = self.executor.execute_model(sched)
         except ExecutorDeadError:  # no step can run any more: the engine is done
-            self._fail(sched.requests, "the engine's worker ranks died")
+            self._fail(self._requests_in(sched), "the engine's worker ranks died")
             raise
         except Exception as e:  # one bad step ends the requests in it, not the engine
-            logger.exception("model step failed; ending the %d requests in it", len(sched.requests))
-            return self._fail(sched.requests, f"{type(e).__name__}: {e}")
+            logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
+            return self._fail(self._requests_in(sched), f"{type(e).__name__}: {e}")
         updated = self.scheduler.update_from_output(sched, output)
         beams = [req for req in updated if req.beam_search_id is not None]
         outputs = self._advance_beam_searches(beams, output) if beams else []
         updated = [req for req in updated if req.beam_search_id is None]
         self.output_processor.record_logprobs(output)
-        for req in updated:
-            stop = self.output_processor.detokenize(req)
-            if stop is not None:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.spec_policy.plan(self.scheduler.running))
         # a token reaches its user when the step returns: after the drafts for the next step (the draft model's
@@ -213,9 +172,12 @@ class LLMEngine:
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
                 req.metrics.last_token_time = now
-                if req.is_finished:
-                    req.metrics.finished_time = now
+            if req.is_finished:  # the scheduler's stop checker decided it, with this step's last token
+                req.metrics.finished_time = now
         return outputs + self.output_processor.make_outputs(updated)
+
+    def _requests_in(self, sched: SchedulerOutput) -> list[Request]:
+        return [self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens]
 
     def _advance_beam_searches(self, beams: list[Request], output: ModelRunnerOutput) -> list[RequestOutput]:
         """Hand each beam's log-probabilities to its search; a search whose beams have all reported advances."""
@@ -240,11 +202,17 @@ class LLMEngine:
                 search.finish(self.scheduler, RequestStatus.FINISHED_ERROR)
                 outputs.append(search.output(self.tokenizer))
             elif req.beam_search_id is None:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+                self._finish(req.request_id, RequestStatus.FINISHED_ERROR)
                 _, sample = self.output_processor.sample_of[req.request_id]
                 sample.error = message
                 samples.append(req)
         return outputs + self.output_processor.make_outputs(samples)
+
+    def _finish(self, request_id: str, status: RequestStatus) -> None:
+        """End a request from outside its tokens (aborted, failed step); tokens end requests in the stop checker."""
+        req = self.scheduler.finish_request(request_id, status)
+        if req is not None:
+            req.metrics.finished_time = time.time()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many were cached."""

@@ -2,7 +2,7 @@
 from dataclasses import dataclass, field
 
 from inferno.engine.detokenizer import IncrementalDetokenizer
-from inferno.engine.scheduler_output import ModelRunnerOutput
+from inferno.core.scheduler_output import ModelRunnerOutput
 from inferno.loader.tokenizer import Tokenizer
 from inferno.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from inferno.request import Request
@@ -15,7 +15,6 @@ class SampleState:
     index: int
     request: Request
     detokenizer: IncrementalDetokenizer
-    num_detokenized: int = 0  # output tokens fed to the detokenizer
     num_sent_chars: int = 0  # DELTA mode: text and tokens already handed out
     num_sent_tokens: int = 0
     finished: bool = False
@@ -63,21 +62,10 @@ class OutputProcessor:
             position.setdefault(token_id, Logprob(value, r, self.tokenizer.id_to_token(token_id)))
         return position
 
-    def detokenize(self, req: Request) -> str | None:
-        """Feed a request's new tokens to its detokenizer; returns a stop string if one was hit."""
+    def detokenize_last_token(self, req: Request) -> str | None:
+        """Feed a request's newest token to its detokenizer; returns the stop string the text now ends with."""
         _, sample = self.sample_of[req.request_id]
-        new_tokens = req.output_token_ids[sample.num_detokenized:]
-        num_before = sample.num_detokenized
-        sample.num_detokenized = req.num_output_tokens
-        if req.finish_reason == "stop":
-            new_tokens = new_tokens[:-1]  # the EOS / stop token itself is not part of the text
-        for i, token_id in enumerate(new_tokens):  # one step can bring several tokens (speculative decoding)
-            stop = sample.detokenizer.update([token_id])
-            if stop is not None:
-                del req.token_ids[req.num_prompt_tokens + num_before + i + 1:]  # tokens after the stop string
-                sample.num_detokenized = req.num_output_tokens
-                return stop
-        return None
+        return sample.detokenizer.update([req.token_ids[-1]])
 
     def make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
         """RequestOutputs for the requests whose samples changed this step (finished states are dropped)."""

@@ -9,15 +9,19 @@ import time
 from collections import deque
 
 from inferno.config import EngineConfig
+from inferno.core.scheduler_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from inferno.engine.kv_cache_manager import KVCacheManager
-from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.engine.stop_checker import StopChecker
+from inferno.engine.worker_view import WorkerView
 from inferno.request import Request, RequestStatus
 from inferno.spec_decode.metrics import SpecDecodingStats
 from inferno.spec_decode.policy import SpeculationPolicy
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, stop_checker: StopChecker):
+        self.stop_checker = stop_checker
+        self.worker_view = WorkerView()
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.kv_cache_manager = kv_cache_manager
@@ -89,12 +93,25 @@ class Scheduler:
             self._start(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
-        requests = [self.requests[i] for i in scheduled]
-        for req, n in zip(requests, scheduled.values()):
+        return self._scheduler_output(scheduled, spec_token_ids)
+
+    def _scheduler_output(self, scheduled: dict[str, int], spec_token_ids: dict[str, list[int]]) -> SchedulerOutput:
+        """The step as plain data: requests new to the worker whole, the others as what changed."""
+        new_reqs, cached = [], CachedRequestData()
+        draft_probs = {}
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
             self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
                                                    - req.num_computed_tokens)
-        return SchedulerOutput(requests, list(scheduled.values()), preempted,
-                               self.kv_cache_manager.take_block_copies(), spec_token_ids)
+            if self.worker_view.knows(rid):
+                self.worker_view.add_cached(req, cached)
+            else:
+                new_reqs.append(self.worker_view.new_request_data(req))
+            if rid in spec_token_ids and req.draft_probs is not None:
+                draft_probs[rid] = req.draft_probs[:len(spec_token_ids[rid])]
+        finished = self.worker_view.take_finished() if scheduled else set()  # else: sent with the next step
+        return SchedulerOutput(new_reqs, cached, scheduled, spec_token_ids, draft_probs,
+                               self.kv_cache_manager.take_block_copies(), finished)
 
     def _start(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
@@ -117,7 +134,8 @@ class Scheduler:
         got a new token or a prompt-logprob chunk. Rejected draft tokens are not computed: their KV slots are
         written again by later steps, and a block enters the prefix cache only once all its tokens are accepted."""
         updated = []
-        for req, n in zip(sched.requests, sched.num_scheduled_tokens):
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests[rid]
             drafts = sched.spec_token_ids.get(req.request_id, [])
             req.spec_token_ids, req.draft_probs = [], None
             tokens = output.sampled_token_ids.get(req.request_id)
@@ -129,8 +147,7 @@ class Scheduler:
             stopped = False
             if tokens is not None and req.beam_search_id is None:  # a beam's search appends its tokens itself
                 for token in tokens:  # stop checks token by token; tokens after a stop are dropped
-                    req.append_token(token)
-                    if req.check_stop():
+                    if self.stop_checker.append_token(req, token):
                         stopped = True
                         break
                 # tokens after a stop were dropped: only what is in token_ids counts as computed
@@ -163,8 +180,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv_cache_manager.free(req)
-        req.metrics.finished_time = time.time()
         self.requests.pop(req.request_id, None)
+        self.worker_view.forget(req.request_id)
         # its prompt was never computed: the requests waiting to fork it compute the prompt themselves
         self.waiting.extendleft(reversed(self.forks.pop(req.request_id, [])))
 

@@ -4,53 +4,15 @@ import json
 import logging
 import sys
 import uuid
+from dataclasses import MISSING, Field, fields
+from typing import get_args
 
-from inferno.config import EngineConfig, SpeculativeConfig
+from inferno.config import (DTYPES, KV_CACHE_DTYPE_NAMES, PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS,
+                            EngineConfig, SpeculativeConfig)
+from inferno.engine.input_processor import PromptType
 from inferno.engine.llm_engine import LLMEngine
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.server.cli_args import add_server_args, server_config
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="activation dtype (auto: bfloat16 where the CPU has native bfloat16 GEMMs, else float32)")
-    parser.add_argument("--quantization", "-q", default=d.quantization, choices=["auto", "none", "int8", "int4"],
-                        help="weights: auto runs a GGUF file's quantized blocks as stored; none dequantizes them to "
-                             "float; int8 / int4 quantize every projection (default: auto)")
-    parser.add_argument("--quantization-group-size", type=int, default=d.quantization_group_size,
-                        choices=[32, 64, 128, -1],
-                        help="input columns per scale and zero point; -1: per output channel (int8 only)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
-                        help="bytes for the KV cache (default: half the memory available after loading the model, "
-                             "at most --max-num-seqs sequences of --max-model-len tokens)")
-    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8", "fp8_e4m3"],
-                        help="KV cache storage (auto: the model dtype; int8/fp8: per-token-per-head scales)")
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--num-threads", type=int, default=None,
-                        help="threads per rank (default: all cores, divided among the ranks)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
-                        help="ranks that split every layer (Megatron-style tensor parallelism)")
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
-                        help="ranks that each run a contiguous stage of the layers")
-    parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
-                        help="seconds a rank waits inside a step for the others before the engine fails")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=d.enable_prefix_caching, help="reuse the KV cache of prompts' common prefixes")
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
-                        help="run every step in eager PyTorch (default for `generate`, whose one request ends before "
-                             "a compile would; otherwise decode steps switch to a torch.compile'd forward once a "
-                             "background thread has built it, serving eagerly until then)")
-    parser.add_argument("--speculative-config", type=speculative_config, default=None,
-                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
-                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
-                             '"num_speculative_tokens": 4}\'; policy keys "disable_by_batch_size" (default 4, '
-                             'null: never) and "draft_acceptance_threshold" (default 0.3 for ngram, 0.5 for '
-                             'draft_model; 0: off)')
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
@@ -64,17 +26,59 @@ def speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# every EngineConfig field is a flag named after it (--kv-cache-memory), typed and defaulted by the field; this
+# table adds short names, choices and help
+ENGINE_FLAGS: dict[str, dict] = {
+    "model": dict(help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
+    "dtype": dict(choices=["auto", *DTYPES],
+                  help="activation dtype (auto: bfloat16 where the CPU has native bfloat16 GEMMs, else float32)"),
+    "quantization": dict(short="-q", choices=[*QUANTIZATION_METHODS, "none"],
+                         help="weights: auto runs a GGUF file's quantized blocks as stored; none dequantizes them "
+                              "to float; int8 / int4 quantize every projection (default: auto)"),
+    "quantization_group_size": dict(choices=[*QUANTIZATION_GROUP_SIZES, PER_CHANNEL],
+                                    help="input columns per scale and zero point; -1: per output channel (int8 only)"),
+    "kv_cache_memory": dict(help="bytes for the KV cache (default: half the memory available after loading the "
+                                 "model, at most --max-num-seqs sequences of --max-model-len tokens)"),
+    "kv_cache_dtype": dict(choices=KV_CACHE_DTYPE_NAMES,
+                           help="KV cache storage (auto: the model dtype; int8/fp8: per-token-per-head scales)"),
+    "num_threads": dict(help="threads per rank (default: all cores, divided among the ranks)"),
+    "tensor_parallel_size": dict(short="-tp", help="ranks that split every layer (Megatron-style tensor parallelism)"),
+    "pipeline_parallel_size": dict(short="-pp", help="ranks that each run a contiguous stage of the layers"),
+    "distributed_timeout": dict(help="seconds a rank waits inside a step for the others before the engine fails"),
+    "enable_prefix_caching": dict(help="reuse the KV cache of prompts' common prefixes"),
+    "enforce_eager": dict(help="run every step in eager PyTorch (default for `generate`, whose one request ends "
+                               "before a compile would; otherwise decode steps switch to a torch.compile'd forward "
+                               "once a background thread has built it, serving eagerly until then)"),
+    "speculative_config": dict(type=speculative_config, help=(
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
+        '"num_speculative_tokens": 4}\'; policy keys "disable_by_batch_size" (default 4, null: never) and '
+        '"draft_acceptance_threshold" (default 0.3 for ngram, 0.5 for draft_model; 0: off)')),
+}
+NOT_FLAGS = {"seed"}  # the engine's seed is not a flag: --seed is the request's (SamplingParams.seed)
+
+
+def engine_fields() -> list[Field]:
+    return [f for f in fields(EngineConfig) if f.name not in NOT_FLAGS]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for f in engine_fields():
+        options = dict(ENGINE_FLAGS.get(f.name, {}))
+        names = ["--" + f.name.replace("_", "-"), *([options.pop("short")] if "short" in options else [])]
+        default = f.default if f.default is not MISSING else f.default_factory()
+        value_type = next(t for t in get_args(f.type) or [f.type] if t is not type(None))
+        if value_type is bool:
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=default, **options)
+        else:
+            parser.add_argument(*names, type=options.pop("type", value_type), default=default, **options)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    quantization = None if args.quantization == "none" else args.quantization
-    return EngineConfig(model=args.model, dtype=args.dtype, quantization=quantization,
-                        quantization_group_size=args.quantization_group_size, max_model_len=args.max_model_len,
-                        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-                        block_size=args.block_size,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                        num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
-                        pipeline_parallel_size=args.pipeline_parallel_size,
-                        distributed_timeout=args.distributed_timeout, enable_prefix_caching=args.enable_prefix_caching,
-                        enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
+    values = {f.name: getattr(args, f.name) for f in engine_fields()}
+    if values["quantization"] == "none":  # the flag's spelling of None: dequantize a GGUF file to float
+        values["quantization"] = None
+    return EngineConfig(**values)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +100,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                           output_kind=RequestOutputKind.DELTA)
 
 
-def stream(engine: LLMEngine, prompt: str | dict, params: SamplingParams) -> str:
+def stream(engine: LLMEngine, prompt: PromptType, params: SamplingParams) -> str:
     """Run one request, printing text deltas as they arrive; returns the whole text."""
     request_id = uuid.uuid4().hex
     engine.add_request(request_id, prompt, params)
@@ -113,15 +117,10 @@ def stream(engine: LLMEngine, prompt: str | dict, params: SamplingParams) -> str
     return "".join(pieces)
 
 
-def chat_prompt(engine: LLMEngine, messages: list[dict]) -> dict:
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
-
-
 def run_generate(args: argparse.Namespace) -> None:
     engine = LLMEngine(engine_config(args))
     try:
-        prompt = chat_prompt(engine, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        prompt = engine.input_processor.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         stream(engine, prompt, sampling_params(args))
     finally:
         engine.shutdown()
@@ -147,7 +146,7 @@ def chat_loop(engine: LLMEngine, args: argparse.Namespace) -> None:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        reply = stream(engine, chat_prompt(engine, messages), params)
+        reply = stream(engine, engine.input_processor.render_chat(messages), params)
         messages.append({"role": "assistant", "content": reply})
 
 

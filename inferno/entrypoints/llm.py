@@ -6,13 +6,11 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from inferno.config import EngineConfig
-from inferno.engine.llm_engine import LLMEngine, PromptType
+from inferno.engine.input_processor import ChatMessage, PromptType
+from inferno.engine.llm_engine import LLMEngine
 from inferno.loader.tokenizer import Tokenizer
 from inferno.outputs import RequestOutput
 from inferno.sampling_params import RequestOutputKind, SamplingParams
-
-Message = dict[str, str]
-
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
@@ -25,7 +23,7 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -55,16 +53,12 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         return self.llm_engine.reset_prefix_cache()
 
-    def chat(self, messages: list[Message] | list[list[Message]],
+    def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        render = self.llm_engine.input_processor.render_chat
+        prompts = [render(c, add_generation_prompt, chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -1,7 +1,7 @@
 """The executor of several ranks over torch.distributed.
 
-Rank 0 is the engine's process: it schedules, broadcasts each step (a `StepInput`) on the control group, runs its
-own part of the forward pass like every other rank, and samples. The other ranks are started here with
+Rank 0 is the engine's process: it schedules, broadcasts each step (the plain-data `SchedulerOutput`) on the
+control group, runs its own part of the forward pass like every other rank, and samples. The other ranks are started here with
 `torch.multiprocessing` (spawn) or, under `torchrun`, are the other launched processes; they only run steps.
 A rank that dies or stops answering ends the executor: the step raises `ExecutorDeadError` and every rank is
 stopped, so nothing hangs.
@@ -9,6 +9,7 @@ stopped, so nothing hangs.
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,8 @@ import torch.multiprocessing as mp
 from inferno.config import EngineConfig
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.process_group import init_process_groups, launched_by_torchrun, threads_per_rank
-from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from inferno.worker.input_batch import StepInput, plan_step
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
 
 logger = logging.getLogger("inferno")
@@ -69,6 +70,10 @@ class MultiprocExecutor:
             raise error from e
         self.parallel = parallel
         self.model_runner = self.worker.model_runner
+        # what the engine needs to know of the model: its files, shape, tokenizer and KV blocks
+        self.model_path, self.model_config = self.worker.model_path, self.worker.model_config
+        self.tokenizer, self.num_blocks = self.worker.tokenizer, self.worker.num_blocks
+        self.kv_block_bytes = self.worker.kv_block_bytes
         if parallel.rank != 0:  # torchrun: this process serves rank 0 until it shuts down, then exits
             self.worker.serve(self.control)
             dist.destroy_process_group()
@@ -86,18 +91,21 @@ class MultiprocExecutor:
 
     # steps
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        plan = plan_step(sched, self.config.block_size, num_micro_batches=self.config.pipeline_parallel_size)
-        return self.model_runner.sample(plan, self.run_step(plan.step))
+        """Every rank runs the scheduled step; rank 0's sampled output."""
+        return self._on_every_rank(sched, self.model_runner.execute_model)
 
     def run_step(self, step: StepInput) -> torch.Tensor | None:
-        """Every rank runs `step`; the logits of its logit rows, on rank 0."""
+        """Every rank runs the flat batches of `step` (no request states, no sampling); the logits, on rank 0."""
+        return self._on_every_rank(step, self.model_runner.run_step)
+
+    def _on_every_rank(self, message: SchedulerOutput | StepInput, run: Callable):
         if self.closed:
             raise ExecutorDeadError(self.failure or "the executor is shut down")
         if not self.is_healthy():  # a rank died between steps
             raise self._fail(None, "waiting for a step")
         try:
-            self.parallel.broadcast_object(step, self.control)
-            return self.model_runner.run_step(step)
+            self.parallel.broadcast_object(message, self.control)
+            return run(message)
         except BaseException as e:  # any rank may now be mid-step: no step can run any more
             error = self._fail(e, "running a step")
             if not isinstance(e, Exception):

@@ -2,7 +2,7 @@
 import torch
 
 from inferno.config import EngineConfig
-from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
 
@@ -13,6 +13,10 @@ class UniProcExecutor:
             torch.set_num_threads(config.num_threads)
         self.worker = Worker(config)
         self.model_runner = self.worker.model_runner
+        # what the engine needs to know of the model: its files, shape, tokenizer and KV blocks
+        self.model_path, self.model_config = self.worker.model_path, self.worker.model_config
+        self.tokenizer, self.num_blocks = self.worker.tokenizer, self.worker.num_blocks
+        self.kv_block_bytes = self.worker.kv_block_bytes
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)

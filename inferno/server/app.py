@@ -120,11 +120,11 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         tokenizer.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = tokenizer.render_chat(request.messages, request.add_generation_prompt, request.tools,
-                                         request.chat_template_kwargs)
+            text = tokenizer.chat_prompt(request.messages, request.add_generation_prompt, request.tools,
+                                         request.chat_template_kwargs).text
         else:
             text = request.prompt
-        token_ids = tokenizer.encode(text, request.add_special_tokens).token_ids
+        token_ids = tokenizer.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         token_strs = [tokenizer.tokenizer.id_to_token(t) for t in token_ids] if request.return_token_strs else None
         return TokenizeResponse(count=len(token_ids), max_model_len=async_llm.max_model_len, tokens=token_ids,
                                 token_strs=token_strs)

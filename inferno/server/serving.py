@@ -95,6 +95,7 @@ class OpenAIServing:
         self.async_llm = async_llm
         self.model_name = model_name
         self.tokenizer = async_llm.tokenizer
+        self.input_processor = async_llm.engine.input_processor  # what every request passes through
         self.max_model_len = async_llm.max_model_len
         self.vocab_size = async_llm.engine.model_config.vocab_size
 
@@ -107,39 +108,34 @@ class OpenAIServing:
     def check_sampling(self, request: SamplingRequest) -> None:
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported", param="logit_bias")
-        bad = next((t for t in request.stop_token_ids or [] if t >= self.vocab_size), None)
-        if bad is not None:
-            raise OpenAIError(f"stop_token_ids contains {bad}, outside the vocabulary (size {self.vocab_size})",
-                              param="stop_token_ids")
 
     def check_length(self, prompt: EnginePrompt, max_tokens: int | None, param: str) -> None:
-        num_prompt = len(prompt.token_ids)
-        if max_tokens is not None and num_prompt + max_tokens > self.max_model_len:
-            raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
-                f"Please reduce the length of the prompt or of {param}.", param=param)
+        try:
+            self.input_processor.check_fits(len(prompt.token_ids), max_tokens, param)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from e
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         try:
-            return request.sampling_params(max_tokens, logprobs, prompt_logprobs)
-        except ValueError as e:  # SamplingParams names the field first
-            name = str(e).split(" ", 1)[0]
-            raise OpenAIError(str(e), param=name if name in SAMPLING_FIELDS else None) from e
+            params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            self.input_processor.check_params(params)
+            return params
+        except ValueError as e:
+            raise invalid_request(e) from e
 
     # prompts
-    def encode(self, text: str, add_special_tokens: bool = True) -> EnginePrompt:
-        return EnginePrompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str) -> EnginePrompt:
+        return EnginePrompt(*self.input_processor.tokenize(text))
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> EnginePrompt:
         conversation = [template_message(m) for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tools=tools, **(chat_template_kwargs or {}))
+            prompt = self.input_processor.render_chat(conversation, add_generation_prompt, tools, chat_template_kwargs)
         except Exception as e:  # template errors come from the messages the client sent
             raise OpenAIError(f"could not render the chat template: {e}", param="messages") from e
+        return EnginePrompt(prompt["prompt"], prompt["prompt_token_ids"])
 
     # engine
     async def add_requests(self, request_id: str, prompts: list[EnginePrompt],
@@ -156,7 +152,7 @@ class OpenAIServing:
                 streams.append(await self.async_llm.add_request(engine_id, engine_prompt, params))
         except ValueError as e:
             self.abort_unfinished(streams)
-            raise OpenAIError(str(e)) from e
+            raise invalid_request(e) from e
         except EngineDeadError as e:
             self.abort_unfinished(streams)
             raise OpenAIError(str(e), status_code=503, type="server_error") from e
@@ -169,6 +165,12 @@ class OpenAIServing:
         for stream in streams:
             if not stream.finished:
                 self.async_llm.abort(stream.request_id)
+
+
+def invalid_request(error: ValueError) -> OpenAIError:
+    """A 400 for a ValueError of SamplingParams or the input processor (they name the field first)."""
+    name = str(error).split(" ", 1)[0]
+    return OpenAIError(str(error), param=name if name in SAMPLING_FIELDS else None)
 
 
 def template_message(message: ChatMessage) -> dict:

@@ -21,9 +21,8 @@ class ServingChat(OpenAIServing):
         self.check_model(request.model)
         self.check_sampling(request)
         self.check_chat_options(request)
-        text = self.render_chat(request.messages, request.add_generation_prompt, request.tools,
-                                request.chat_template_kwargs)
-        prompt = self.encode(text, add_special_tokens=False)
+        prompt = self.chat_prompt(request.messages, request.add_generation_prompt, request.tools,
+                                  request.chat_template_kwargs)
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_length(prompt, max_tokens, "max_completion_tokens")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None

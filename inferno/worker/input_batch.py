@@ -1,13 +1,15 @@
-"""One step's flat batches, planned on rank 0 from the schedule.
+"""One step's flat batches, planned by every rank alike from the schedule and its own request states.
 
-`StepInput` is what every rank needs to run the step's forward passes: plain lists, no Request objects, so it
-pickles small when rank 0 broadcasts it. `StepPlan` adds what only rank 0 needs to sample afterwards.
+`StepInput` is what a rank needs to run the step's forward passes: plain lists. `StepPlan` adds what rank 0
+needs to sample afterwards.
 """
 from dataclasses import dataclass, field
 
-from inferno.engine.kv_cache_manager import cdiv
-from inferno.engine.scheduler_output import SchedulerOutput
-from inferno.request import Request
+from inferno.core.kv_blocks import cdiv
+from inferno.core.scheduler_output import SchedulerOutput
+import torch
+
+from inferno.worker.request_state import CachedRequestState
 
 MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks over cached context up to this long attend as decode rows
 
@@ -52,25 +54,25 @@ class StepInput:
 class StepPlan:
     step: StepInput
     # indices into the step's logits (all micro-batches' logit rows, in order)
-    sample_requests: list[Request]
+    sample_requests: list[CachedRequestState]
     sample_rows: list[int]
-    prompt_logprob_rows: list[tuple[Request, list[int], list[int]]]  # (request, logit rows, prompt tokens scored)
-    # speculative decoding: requests whose drafts are verified, their drafts, and the logit rows of all 1 + k
-    # positions of each (consecutive)
-    spec_requests: list[Request] = field(default_factory=list)
+    # (request, logit rows, prompt tokens scored)
+    prompt_logprob_rows: list[tuple[CachedRequestState, list[int], list[int]]]
+    # speculative decoding: requests whose drafts are verified, their drafts, the draft model's distributions for
+    # them, and the logit rows of all 1 + k positions of each (consecutive)
+    spec_requests: list[CachedRequestState] = field(default_factory=list)
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    spec_draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     spec_rows: list[int] = field(default_factory=list)
 
 
-Piece = tuple[Request, int, int]  # a request, the position of its first scheduled token, the number of tokens
-
-
-def plan_step(sched: SchedulerOutput, block_size: int, num_micro_batches: int = 1) -> StepPlan:
+def plan_step(sched: SchedulerOutput, states: dict[str, CachedRequestState], block_size: int,
+              num_micro_batches: int = 1) -> StepPlan:
     """Split the scheduled requests into up to `num_micro_batches` batches of similar token counts and lay each
     out flat. A request scheduled alone (without drafts) is cut into consecutive pieces instead, one per
     micro-batch: every stage runs the micro-batches in order, so each piece finds the K/V of the pieces before it in
     the cache. A request's draft tokens (speculative decoding) follow its last token."""
-    scheduled = [(req, req.num_computed_tokens, n) for req, n in zip(sched.requests, sched.num_scheduled_tokens)]
+    scheduled = [(states[rid], states[rid].num_computed_tokens, n) for rid, n in sched.num_scheduled_tokens.items()]
     if len(scheduled) == 1 and not sched.spec_token_ids:
         req, c, n = scheduled[0]
         parts = min(num_micro_batches, n)
@@ -88,7 +90,7 @@ def plan_step(sched: SchedulerOutput, block_size: int, num_micro_batches: int = 
                                    req.block_ids)) for req, c, n in group]
         # decode rows first, shortest first (so each attention group pads little), then prefill chunks
         chunks.sort(key=lambda rc: (not rc[1].as_decode_rows, rc[1].start))
-        plan.step.micro_batches.append(_lay_out(chunks, sched.spec_token_ids, block_size, plan))
+        plan.step.micro_batches.append(_lay_out(chunks, sched, block_size, plan))
     return plan
 
 
@@ -118,17 +120,18 @@ def _append(mb: MicroBatch, chunk: TokenChunk, block_size: int) -> int:
     return start
 
 
-def _lay_out(chunks: list[tuple[Request, TokenChunk]], spec_token_ids: dict[str, list[int]], block_size: int,
+def _lay_out(chunks: list[tuple[CachedRequestState, TokenChunk]], sched: SchedulerOutput, block_size: int,
              plan: StepPlan) -> MicroBatch:
     mb = MicroBatch([], [], [], [], [], [])
     first_logit = plan.step.num_logit_rows
     for req, chunk in chunks:
         start = _append(mb, chunk, block_size)
         c, n = chunk.start, len(chunk.token_ids)
-        drafts = spec_token_ids.get(req.request_id)
+        drafts = sched.spec_token_ids.get(req.request_id)
         if drafts:  # the target's distributions at the last token and after every draft
             plan.spec_requests.append(req)
             plan.spec_token_ids.append(drafts)
+            plan.spec_draft_probs.append(sched.draft_probs.get(req.request_id))
             plan.spec_rows.extend(range(first_logit + len(mb.logit_rows), first_logit + len(mb.logit_rows) + n))
             mb.logit_rows.extend(range(start, start + n))
         elif c + n == req.num_tokens:
@@ -137,7 +140,8 @@ def _lay_out(chunks: list[tuple[Request, TokenChunk]], spec_token_ids: dict[str,
             mb.logit_rows.append(start + n - 1)
         if req.sampling_params.prompt_logprobs is not None:
             # the logits at prompt position p score prompt token p + 1
-            targets = [p for p in range(c, c + n) if p + 1 < req.num_prompt_tokens and p + 1 >= len(req.prompt_logprobs)]
+            targets = [p for p in range(c, c + n) if p + 1 < req.num_prompt_tokens and p + 1 >= req.num_prompt_logprobs]
+            req.num_prompt_logprobs += len(targets)
             if targets:
                 rows = list(range(first_logit + len(mb.logit_rows), first_logit + len(mb.logit_rows) + len(targets)))
                 mb.logit_rows.extend(start + p - c for p in targets)

@@ -59,11 +59,3 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     pages = mmap.mmap(-1, max(nbytes, 1))
     return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
-
-
-def log_kv_cache(num_blocks: int, block_size: int, block_bytes: int, max_model_len: int, auto: bool) -> None:
-    """What fits, the way vLLM and llama.cpp users are used to reading it."""
-    tokens = num_blocks * block_size
-    how = " (kv_cache_memory: auto, half the memory available after loading the weights)" if auto else ""
-    logger.info("KV cache: %d blocks = %d tokens, %.2f GiB; %.1f sequences of max_model_len %d%s", num_blocks,
-                tokens, num_blocks * block_bytes / (1 << 30), tokens / max_model_len, max_model_len, how)

@@ -4,24 +4,26 @@ import os
 import threading
 import time
 import types
+from typing import Protocol
 
 import torch
 
 from inferno.config import EngineConfig, ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
-from inferno.distributed.pipeline import run_first_stage, run_later_stage
-from inferno.engine.kv_cache_manager import cdiv
-from inferno.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.core.kv_blocks import cdiv
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.kernels import paged_attention
 from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
-from inferno.request import Request
+from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
+from inferno.worker.pipeline import run_first_stage, run_later_stage
 from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.kv_cache import lazily_zeroed
+from inferno.worker.request_state import CachedRequestState, update_states
 
 
 logger = logging.getLogger("inferno")
@@ -41,8 +43,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
 
 
 class ModelRunner:
-    """One rank's model and KV cache shard. With one rank, `execute_model` is the whole step; with several, the
-    executor plans on rank 0 (`plan_step`), every rank runs `run_step`, and rank 0 samples (`sample`)."""
+    """One rank's model, KV cache shard and request states; `execute_model` runs a step on it."""
 
     def __init__(self, model: LlamaForCausalLM, engine_config: EngineConfig, num_blocks: int,
                  parallel: ParallelRank = SINGLE):
@@ -58,6 +59,7 @@ class ModelRunner:
                             and self.config.head_dim <= 256)
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}  # every request the scheduler has not finished
         keep_freed_memory()
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
@@ -90,9 +92,13 @@ class ModelRunner:
         return self.compiled_decode is not None
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        plan = plan_step(sched, self.block_size)
-        return self.sample(plan, self.run_step(plan.step))
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step on this rank: its requests brought up to date, the flat batches planned (every rank alike, one
+        micro-batch per pipeline stage), the forward pass; rank 0 samples and returns the output."""
+        update_states(self.requests, sched)
+        plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
+        logits = self.run_step(plan.step)
+        return self.sample(plan, logits) if self.parallel.rank == 0 else None
 
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:
@@ -104,10 +110,11 @@ class ModelRunner:
         if self.parallel.pp_size == 1:
             hidden = [self.forward(mb)[mb.logit_rows] for mb in step.micro_batches]
             return self.model.compute_logits(torch.cat(hidden)) if step.num_logit_rows else None
+        stage = (self.forward, step, self.parallel, self.config.hidden_size, self.dtype)
         if not self.parallel.is_first_stage:
-            run_later_stage(self, step, self.parallel)
+            run_later_stage(*stage)
             return None
-        logits = [self.model.compute_logits(hidden) for hidden in run_first_stage(self, step, self.parallel)]
+        logits = [self.model.compute_logits(hidden) for hidden in run_first_stage(*stage)]
         return torch.cat(logits) if logits and logits[0] is not None else None
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -218,9 +225,8 @@ class ModelRunner:
     def _verify_drafts(self, plan: StepPlan, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Target logits at all 1 + k positions of each speculating request -> rejection sampling."""
         metadata_rows, drafts = [], []
-        for req, tokens in zip(plan.spec_requests, plan.spec_token_ids):
+        for req, tokens, probs in zip(plan.spec_requests, plan.spec_token_ids, plan.spec_draft_probs):
             metadata_rows.extend((req, tokens[:j]) for j in range(len(tokens) + 1))
-            probs = None if req.draft_probs is None else req.draft_probs[:len(tokens)]
             drafts.append(Drafts(tokens, probs, req.generator))
         md = sampling_metadata(metadata_rows, self.config.vocab_size)
         emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
@@ -266,7 +272,21 @@ def with_own_code(method: types.MethodType) -> types.MethodType:
     return types.MethodType(copy, method.__self__)
 
 
-def sampling_metadata(rows: list[tuple[Request, list[int]]], vocab_size: int) -> SamplingMetadata:
+class SamplingState(Protocol):
+    """What sampling reads of a request: the worker's CachedRequestState, or the engine's Request (draft model)."""
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    eos_token_ids: set[int]
+    generator: torch.Generator | None
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: int) -> SamplingMetadata:
     """One row per (request, draft tokens before the position): penalties and min_tokens see the output so far
     plus those drafts."""
     requests = [r for r, _ in rows]

@@ -3,8 +3,9 @@ import torch
 import torch.distributed as dist
 
 from inferno.config import EngineConfig, ModelConfig
+from inferno.core.scheduler_output import SchedulerOutput
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
-from inferno.engine.kv_cache_manager import cdiv
+from inferno.core.kv_blocks import cdiv
 from inferno.loader.model_loader import load_model, read_model_config
 from inferno.worker.kv_cache import auto_num_blocks
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -55,5 +56,8 @@ class Worker:
 
     def serve(self, control_group: dist.ProcessGroup) -> None:
         """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts None (shutdown)."""
-        while (step := self.model_runner.parallel.broadcast_object(None, control_group)) is not None:
-            self.model_runner.run_step(step)
+        while (message := self.model_runner.parallel.broadcast_object(None, control_group)) is not None:
+            if isinstance(message, SchedulerOutput):
+                self.model_runner.execute_model(message)
+            else:  # a bare StepInput
+                self.model_runner.run_step(message)

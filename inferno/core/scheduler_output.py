@@ -1,0 +1,59 @@
+"""What the scheduler decided for one step, and what the model runner produced for it: plain data, shipped as is
+to every rank. A request crosses whole once (`NewRequestData`); after that a step carries only what changed for it
+(`CachedRequestData`), and the worker keeps the rest in its own per-request state."""
+from dataclasses import dataclass, field
+
+import torch
+
+from inferno.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has not seen: everything it needs to run and sample it."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens beyond the prompt it starts with (a forked beam's); usually none
+    sampling_params: SamplingParams
+    eos_token_ids: set[int]  # held back until min_tokens (empty with ignore_eos)
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the worker already holds, scheduled again: what changed since it last saw each (parallel lists)."""
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)  # appended to the request since then
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to its block table
+    # the block table starts over with new_block_ids (resumed after preemption, or a shared block copied on write)
+    reset_block_ids: list[bool] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step, in scheduling order
+    # request id -> draft tokens scheduled after its last token (speculative decoding; counted in
+    # num_scheduled_tokens), and the draft model's distributions for them ([k, vocab]; sampled requests only)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) copy-on-write
+    finished_req_ids: set[str] = field(default_factory=set)  # ended since the last step: the worker forgets them
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # request id -> new tokens, for requests whose chunk reached the end: one, or with drafts the accepted ones
+    # followed by a resampled or bonus token
+    sampled_token_ids: dict[str, list[int]]
+    # request id -> ([1 + k] token ids, [1 + k] logprobs, rank of the sampled token)
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # request id -> per prompt position: ([1 + k] token ids, [1 + k] logprobs, rank of the prompt token)
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)

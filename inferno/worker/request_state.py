@@ -1,0 +1,59 @@
+"""The worker's own record of each request it runs, kept between steps from the scheduler's plain data."""
+from dataclasses import dataclass
+
+import torch
+
+from inferno.core.scheduler_output import NewRequestData, SchedulerOutput
+from inferno.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # prompt + output, as the engine kept them
+    sampling_params: SamplingParams
+    eos_token_ids: set[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None  # seeded requests: every random draw of the request, in order
+    num_prompt_logprobs: int  # prompt positions scored so far (the first one, which has no logprob, counts)
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> "CachedRequestState":
+        params = data.sampling_params
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return cls(data.req_id, list(data.prompt_token_ids), data.prompt_token_ids + data.output_token_ids, params,
+                   data.eos_token_ids, list(data.block_ids), data.num_computed_tokens, generator,
+                   int(params.prompt_logprobs is not None))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+
+def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
+    """Bring the worker's requests up to the step: drop finished ones, add new ones, apply the changes."""
+    for rid in sched.finished_req_ids:
+        states.pop(rid, None)
+    for data in sched.scheduled_new_reqs:
+        states[data.req_id] = CachedRequestState.from_new(data)
+    cached = sched.scheduled_cached_reqs
+    for rid, tokens, blocks, reset, num_computed in zip(cached.req_ids, cached.new_token_ids, cached.new_block_ids,
+                                                        cached.reset_block_ids, cached.num_computed_tokens):
+        state = states[rid]
+        state.token_ids.extend(tokens)
+        state.block_ids = list(blocks) if reset else state.block_ids + blocks
+        state.num_computed_tokens = num_computed
