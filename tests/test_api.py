@@ -65,7 +65,8 @@ def test_cli_generate_streams_the_same_text(llm):
     expected = llm.generate("The three primary colors are", SamplingParams(**GREEDY), use_tqdm=False)[0]
     result = subprocess.run(
         [sys.executable, "-m", "inferno.entrypoints.cli", "generate", "The three primary colors are",
-         "--temperature", "0", "--max-tokens", "16", "--ignore-eos", "--kv-cache-memory", str(64 << 20)],
+         "--temperature", "0", "--max-tokens", "16", "--ignore-eos", "--kv-cache-memory", str(64 << 20),
+         "--quantization", "none", "--dtype", "float32"],  # the `llm` fixture's float32 model
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == expected.outputs[0].text
