@@ -4,14 +4,22 @@ vectorised over a whole tensor (raw bytes [rows, bytes per row], a view of the m
 - `int4_groups`: Q4_0, Q4_1 and Q4_K as 4-bit codes with a scale and a min per group of 32 (`GroupQuantized`, the
   `Int4Linear` input). Exact in float32; `Int4Linear` stores scales and mins as float16, which is exact for Q4_0 and
   Q4_1 (their d and m are float16) but rounds Q4_K's d * sc and dmin * m (up to 17 significant bits).
+- `int4_rows`: Q4_0, Q4_1 and Q4_K straight into `Int4Linear`'s packed rows (`Int4Blocks`), the same bytes as
+  `pack_int4(int4_groups(...))`.
 - `q8_groups`: every supported type as signed 8-bit codes with a float32 scale (and min) per group of 32, or 16 for
   Q6_K (`Q8Groups`, the `Q8Linear` input): exact, `codes * scales + mins` is what `gguf.quants.dequantize` computes.
+
+`int4_rows` and `q8_groups` run the native operators of kernels/gguf_repack.cpp (row-parallel, no intermediate
+tensors) when they build; the PyTorch paths (`int4_groups`, `decode`) are the fallback and the tests' reference.
 """
+from dataclasses import dataclass
+
 import gguf
 import numpy as np
 import torch
 
-from inferno.layers.quantization import GroupQuantized, Q8Groups
+from inferno.kernels import gguf_repack
+from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, pack_int4
 
 T = gguf.GGMLQuantizationType
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
@@ -19,10 +27,17 @@ Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0)
 QK_K = 256  # values per K-quant super-block
 
 
-def blocks_of(raw: np.ndarray, qtype: T) -> torch.Tensor:
+Raw = np.ndarray | torch.Tensor  # a tensor's bytes, uint8 [rows, bytes per row]
+
+
+def rows_of(raw: Raw) -> torch.Tensor:
+    return raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
+
+
+def blocks_of(raw: Raw, qtype: T) -> torch.Tensor:
     """Raw bytes [rows, bytes per row] -> uint8 [rows, blocks per row, bytes per block] (no copy)."""
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    return torch.from_numpy(raw).view(raw.shape[0], -1, type_size)
+    return rows_of(raw).view(raw.shape[0], -1, type_size)
 
 
 def half(b: torch.Tensor) -> torch.Tensor:
@@ -49,7 +64,7 @@ def k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def decode(raw: np.ndarray, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+def decode(raw: Raw, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """Codes [rows, K] (uint8, or int8 when signed), scales and mins (None: symmetric) [rows, K / G], and G, with
     w = codes * scales + mins exactly as `gguf.quants.dequantize` computes it."""
     b = blocks_of(raw, qtype)
@@ -87,7 +102,7 @@ def decode(raw: np.ndarray, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch
                      f"{', '.join(t.name for t in Q8_TYPES)})")
 
 
-def int4_groups(raw: np.ndarray, qtype: T) -> GroupQuantized:
+def int4_groups(raw: Raw, qtype: T) -> GroupQuantized:
     """Q4_0 / Q4_1 / Q4_K -> unsigned 4-bit codes in groups of 32 (Q4_0: min -8 * d)."""
     if qtype not in INT4_TYPES:
         raise ValueError(f"GGUF tensor type {qtype.name} is not a 4-bit type")
@@ -100,14 +115,57 @@ def int4_groups(raw: np.ndarray, qtype: T) -> GroupQuantized:
     return GroupQuantized(codes, scales, mins)
 
 
-def q8_groups(raw: np.ndarray, qtype: T) -> Q8Groups:
+@dataclass(slots=True)
+class Int4Blocks(PackedInt4):
+    """A GGUF 4-bit tensor in the int4 layout, with the file's rows kept (a view of the memory map, permuted like
+    the packed rows) for the exact Q8 form that a fused layer mixing it with other types needs."""
+    raw: torch.Tensor | None = None
+    qtype: T | None = None
+
+    def map_rows(self, fn) -> "Int4Blocks":
+        return Int4Blocks(fn(self.packed), self.k, self.group_size, fn(self.raw), self.qtype)
+
+    def q8_groups(self) -> Q8Groups:
+        return q8_groups(self.raw, self.qtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32, exact (the file's d * sc, not the layout's float16 rounding of it)."""
+        return self.q8_groups().dequantize()
+
+
+def int4_rows(raw: Raw, qtype: T) -> Int4Blocks:
+    """Q4_0 / Q4_1 / Q4_K -> the int4 kernel's rows (`pack_int4(int4_groups(raw, qtype))`, bit for bit)."""
+    if qtype not in INT4_TYPES:
+        raise ValueError(f"GGUF tensor type {qtype.name} is not a 4-bit type")
+    rows = rows_of(raw)
+    ops = gguf_repack()
+    packed = ops.gguf_to_int4(rows, int(qtype)) if ops is not None else pack_int4(int4_groups(rows, qtype))
+    return Int4Blocks(packed, rows.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0],
+                      32, rows, qtype)
+
+
+def q8_groups(raw: Raw, qtype: T) -> Q8Groups:
+    """Any supported type -> Q8Groups: the native repack when it is built, else `q8_groups_reference`."""
+    ops = gguf_repack()
+    if ops is None or qtype not in Q8_TYPES:
+        return q8_groups_reference(raw, qtype)
+    codes, scales, mins = ops.gguf_to_q8(rows_of(raw), int(qtype))
+    return Q8Groups(codes, scales, mins if qtype in (T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K) else None)
+
+
+def q8_groups_reference(raw: Raw, qtype: T) -> Q8Groups:
+    """q8_groups with PyTorch ops."""
     codes, scales, mins, _ = decode(raw, qtype)
     return Q8Groups(codes.view(torch.int8) if codes.dtype == torch.uint8 else codes, scales, mins)
 
 
-def as_q8_groups(weight: GroupQuantized | Q8Groups, group_size: int) -> Q8Groups:
+def as_q8_groups(weight: GroupQuantized | PackedInt4 | Q8Groups, group_size: int) -> Q8Groups:
     """A layer's weight in the common form of a fused layer whose shards differ: Q8Groups with groups of
     `group_size` (16 or 32; a group of 32 becomes two of 16 with the same scale and min). Exact."""
+    if isinstance(weight, Int4Blocks):
+        weight = weight.q8_groups()
+    elif isinstance(weight, PackedInt4):
+        raise ValueError("packed int4 rows without their GGUF blocks have no exact Q8 form")
     if isinstance(weight, GroupQuantized):  # 4-bit codes fit int8 as they are
         weight = Q8Groups(weight.codes.view(torch.int8), weight.scales, weight.mins)
     repeat = weight.group_size // group_size
