@@ -8,7 +8,9 @@ import torch
 
 from inferno.kernels import gguf_repack
 from inferno.layers.quantization import Int4Linear, pack_int4
-from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, int4_rows, q8_groups, q8_groups_reference
+from inferno.layers.quantization import GroupQuantized
+from inferno.loader.gguf_blocks import (INT4_TYPES, Q8_TYPES, int4_groups, int4_rows, pack_int4_shards, q8_groups,
+                                        q8_groups_reference)
 from tiny_gguf import T, random_blocks
 
 pytestmark = pytest.mark.skipif(gguf_repack() is None, reason="native kernels unavailable")
@@ -55,7 +57,7 @@ def same_packed(a: torch.Tensor, b: torch.Tensor, k: int) -> bool:
 def test_native_int4_rows_equal_the_pytorch_packing(qtype, shape, valid):
     rows, cols = shape[0], columns(qtype, shape[1])
     raw = raw_blocks(qtype, rows, cols, valid)
-    native = int4_rows(raw, qtype)
+    native = pack_int4_shards([int4_rows(raw, qtype)])
     expected = pack_int4(int4_groups(raw, qtype))
     assert native.shape == (rows, cols) and native.packed.dtype == torch.uint8
     assert same_packed(native.packed, expected, cols)
@@ -76,20 +78,27 @@ def test_native_q8_groups_equal_the_pytorch_decoding(qtype, shape, valid):
 
 
 @pytest.mark.parametrize("qtype", INT4_TYPES, ids=lambda t: t.name)
-def test_packed_rows_permute_and_stack_like_codes(qtype):
-    """Rows of the layout are independent: a row permutation (the rotary order of Q/K) or stacking (fused shards)
-    of packed rows is the packing of the permuted or stacked codes; the kept file rows follow the permutation."""
-    raw = raw_blocks(qtype, 8, 512, valid=True)
+def test_shards_permute_and_stack_like_codes(qtype):
+    """A row permutation of the file's rows (the rotary order of Q/K) and the shards of a fused layer packed into one
+    tensor give the packing of the permuted, stacked codes; the kept rows give the permuted Q8 form."""
+    a, b = raw_blocks(qtype, 8, 512, valid=True), raw_blocks(qtype, 5, 512, valid=False)
     order = torch.tensor([3, 0, 7, 1, 6, 2, 5, 4])
-    native = int4_rows(raw, qtype).map_rows(lambda t: t[order])
-    assert torch.equal(native.packed, pack_int4(int4_groups(raw, qtype).map_rows(lambda t: t[order])))
-    assert torch.equal(native.q8_groups().codes, q8_groups_reference(raw[order.numpy()], qtype).codes)
+    shard = int4_rows(a, qtype).map_rows(lambda t: t[order])
+    native = pack_int4_shards([shard, int4_rows(b, qtype)])
+    expected = pack_int4(GroupQuantized.cat([int4_groups(a, qtype).map_rows(lambda t: t[order]),
+                                             int4_groups(b, qtype)]))
+    assert native.shape == (13, 512) and same_packed(native.packed, expected, 512)
+    assert torch.equal(shard.q8_groups().codes, q8_groups_reference(a[order.numpy()], qtype).codes)
     layer = Int4Linear(native, None)
     assert torch.equal(layer.weight, native.packed) and layer.padded_in_features == 512
 
 
 def test_unsupported_type_is_refused_with_a_clear_error():
     with pytest.raises(RuntimeError, match="gguf_to_int4 takes Q4_0, Q4_1 or Q4_K"):
-        torch.ops.inferno.gguf_to_int4(torch.zeros(2, 34, dtype=torch.uint8), int(T.Q8_0))
+        torch.ops.inferno.gguf_to_int4(torch.zeros(2, 34, dtype=torch.uint8), int(T.Q8_0),
+                                       torch.empty(2, 24, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):
+        torch.ops.inferno.gguf_to_int4(torch.zeros(2, 18, dtype=torch.uint8), int(T.Q4_0),
+                                       torch.empty(2, 15, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="not a whole number of"):
         torch.ops.inferno.gguf_to_q8(torch.zeros(2, 35, dtype=torch.uint8), int(T.Q8_0))

@@ -1,15 +1,17 @@
 // GGUF quantized blocks repacked at load time, row by row in parallel, into the forms the kernels run (the same
 // results, bit for bit, as the vectorised PyTorch path of inferno/loader/gguf_blocks.py):
 //
-// 1. `gguf_to_int4`: Q4_0 / Q4_1 / Q4_K rows [N, bytes per row] -> the int4 kernel's rows (see the int4 layout in
-//    quantized_gemv.cpp): codes in chunks of 16 blocks of 32, then a float16 scale and a float16 min per group of
-//    32 (Q4_0: min = -8 d; Q4_K: d * sc and -(dmin * m) computed in float32, then rounded to float16).
+// 1. `gguf_to_int4`: Q4_0 / Q4_1 / Q4_K rows [N, bytes per row] -> the int4 kernel's rows (see the int4 layout
+//    in quantized_gemv.cpp), written into a given tensor: codes in chunks of 16 blocks of 32, then a float16 scale
+//    and a float16 min per group of 32 (Q4_0: min = -8 d; Q4_K: d * sc and -(dmin * m) computed in float32, then
+//    rounded to float16).
 // 2. `gguf_to_q8`: Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 rows -> Q8Groups' signed int8 codes
 //    [N, K], float32 scales [N, K / G] and mins [N, K / G] (an empty tensor for the symmetric types), G = 16 for
 //    Q6_K, else 32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -20,7 +22,13 @@ enum GGMLType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K
 
 constexpr int64_t QK_K = 256;  // values per K-quant super-block
 constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 per chunk of the int4 layout
-constexpr int64_t ROW_GRAIN = 8;  // rows per parallel task
+// At least this many output bytes per parallel task: a small tensor is repacked on the calling thread (a parallel
+// region costs more than it saves there, far more when other processes hold the cores).
+constexpr int64_t TASK_BYTES = 1 << 18;
+
+inline int64_t row_grain(int64_t row_bytes) {
+  return std::max<int64_t>(1, TASK_BYTES / std::max<int64_t>(1, row_bytes));
+}
 
 struct TypeInfo {
   int64_t block_values, block_bytes;
@@ -81,17 +89,21 @@ inline void put_block(uint8_t* chunk, int64_t nb, int64_t l, Code code) {
       chunk[v * 4 * nb + 4 * l + i] = static_cast<uint8_t>(code(4 * v + i) | (code(16 + 4 * v + i) << 4));
 }
 
-at::Tensor gguf_to_int4(const at::Tensor& raw, int64_t qtype) {
+// Writes into `packed` (uint8 [rows, K / 2 + 4 * K / 32], contiguous): a fused layer's shards go straight into
+// their rows of one tensor.
+void gguf_to_int4(const at::Tensor& raw, int64_t qtype, at::Tensor& packed) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K, "gguf_to_int4 takes Q4_0, Q4_1 or Q4_K, got type ",
               qtype);
   const TypeInfo t = type_info(qtype);
   const auto [rows, n] = check_raw(raw, t);
   const int64_t k = n * t.block_values, groups = k / 32, blocks = groups, code_bytes = k / 2;
-  at::Tensor packed = at::empty({rows, code_bytes + 4 * groups}, raw.options());
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(0) == rows && packed.size(1) == code_bytes + 4 * groups,
+              "packed must be contiguous uint8 [", rows, ", ", code_bytes + 4 * groups, "]");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const int64_t src_stride = raw.stride(0), dst_stride = packed.size(1);
-  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(dst_stride), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* in = src + r * src_stride;
       uint8_t* out = dst + r * dst_stride;
@@ -141,7 +153,6 @@ at::Tensor gguf_to_int4(const at::Tensor& raw, int64_t qtype) {
       }
     }
   });
-  return packed;
 }
 
 // ---- 2. Q8Groups ----
@@ -160,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_to_q8(const at::Tensor& raw,
   float* s_out = scales.data_ptr<float>();
   float* m_out = has_mins ? mins.data_ptr<float>() : nullptr;
   const int64_t src_stride = raw.stride(0);
-  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(k + 4 * groups * (has_mins ? 2 : 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* in = src + r * src_stride;
       int8_t* q = q_out + r * k;
@@ -246,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_to_q8(const at::Tensor& raw,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("gguf_to_int4(Tensor raw, int qtype) -> Tensor");
+  m.def("gguf_to_int4(Tensor raw, int qtype, Tensor(a!) packed) -> ()");
   m.def("gguf_to_q8(Tensor raw, int qtype) -> (Tensor, Tensor, Tensor)");
 }
 

@@ -29,7 +29,8 @@ class QuantizedEmbedding(nn.Module):
         return rows.dequantize().to(self.dtype)
 
 
-def load_native_layers(model: nn.Module, prequantized: dict[str, GroupQuantized | PackedInt4 | Q8Groups]) -> None:
+def load_native_layers(model: nn.Module,
+                       prequantized: dict[str, GroupQuantized | PackedInt4 | Q8Groups]) -> None:
     """Swap each layer named in `prequantized` (the loader's repacked checkpoint blocks) for its native form."""
     for name, weight in prequantized.items():
         module = model.get_submodule(name)

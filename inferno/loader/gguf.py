@@ -8,11 +8,12 @@ import numpy as np
 import torch
 
 from inferno.config import ModelConfig
-from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups
-from inferno.loader.gguf_blocks import INT4_TYPES, int4_groups, int4_rows, q8_groups
+from inferno.layers.quantization import GroupQuantized, Q8Groups
+from inferno.loader.gguf_blocks import INT4_TYPES, Int4Blocks, int4_groups, int4_rows, q8_groups
 from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 
 T = gguf.GGMLQuantizationType
+Blocks = GroupQuantized | Int4Blocks | Q8Groups  # quantized blocks in a kernel's form
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -94,7 +95,8 @@ def has_quantized_tensors(gguf_file: GGUFFile) -> bool:
     return any(t.tensor_type not in FLOAT_TYPES for t in gguf_file.tensors)
 
 
-def native_weight(tensor: GGUFTensor, name: str, native: str) -> GroupQuantized | PackedInt4 | Q8Groups | None:
+def native_weight(tensor: GGUFTensor, name: str,
+                  native: str) -> GroupQuantized | Int4Blocks | Q8Groups | None:
     """The tensor's blocks in a form a kernel runs, or None where it is to become float. `native` "auto": every
     quantized projection (4-bit types in the int4 layout, the others as Q8 groups), the token embedding and the LM head
     (Q8 groups, which hold every type exactly); "q4": only Q4_0 / Q4_1 projections (explicit int4 / int8 with
@@ -121,7 +123,7 @@ def float_weight(tensor: GGUFTensor) -> torch.Tensor:
 
 
 def iter_weights(gguf_file: GGUFFile, config: ModelConfig,
-                 native: str = "none") -> Iterator[tuple[str, torch.Tensor | GroupQuantized | PackedInt4 | Q8Groups]]:
+                 native: str = "none") -> Iterator[tuple[str, torch.Tensor | Blocks]]:
     """HF-named weights, float tensors or (see `native_weight`) quantized blocks repacked without dequantizing."""
     if native not in ("none", "q4", "auto"):
         raise ValueError(f"native must be 'none', 'q4' or 'auto', got {native!r}")

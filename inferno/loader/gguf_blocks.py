@@ -4,12 +4,12 @@ vectorised over a whole tensor (raw bytes [rows, bytes per row], a view of the m
 - `int4_groups`: Q4_0, Q4_1 and Q4_K as 4-bit codes with a scale and a min per group of 32 (`GroupQuantized`, the
   `Int4Linear` input). Exact in float32; `Int4Linear` stores scales and mins as float16, which is exact for Q4_0 and
   Q4_1 (their d and m are float16) but rounds Q4_K's d * sc and dmin * m (up to 17 significant bits).
-- `int4_rows`: Q4_0, Q4_1 and Q4_K straight into `Int4Linear`'s packed rows (`Int4Blocks`), the same bytes as
-  `pack_int4(int4_groups(...))`.
+- `int4_rows` / `pack_int4_shards`: Q4_0, Q4_1 and Q4_K straight into `Int4Linear`'s packed rows (a fused
+  layer's shards into one tensor), the same bytes as `pack_int4(int4_groups(...))`.
 - `q8_groups`: every supported type as signed 8-bit codes with a float32 scale (and min) per group of 32, or 16 for
   Q6_K (`Q8Groups`, the `Q8Linear` input): exact, `codes * scales + mins` is what `gguf.quants.dequantize` computes.
 
-`int4_rows` and `q8_groups` run the native operators of kernels/gguf_repack.cpp (row-parallel, no intermediate
+`pack_int4_shards` and `q8_groups` run the native operators of kernels/gguf_repack.cpp (row-parallel, no intermediate
 tensors) when they build; the PyTorch paths (`int4_groups`, `decode`) are the fallback and the tests' reference.
 """
 from dataclasses import dataclass
@@ -116,32 +116,55 @@ def int4_groups(raw: Raw, qtype: T) -> GroupQuantized:
 
 
 @dataclass(slots=True)
-class Int4Blocks(PackedInt4):
-    """A GGUF 4-bit tensor in the int4 layout, with the file's rows kept (a view of the memory map, permuted like
-    the packed rows) for the exact Q8 form that a fused layer mixing it with other types needs."""
-    raw: torch.Tensor | None = None
-    qtype: T | None = None
+class Int4Blocks:
+    """A GGUF 4-bit tensor's rows (a view of the memory map, or those rows permuted), packed for the int4 kernel
+    only once its layer's shards are known (`pack_int4_shards`), or read as exact Q8 groups when the layer mixes
+    it with other types."""
+    raw: torch.Tensor  # uint8 [rows, bytes per row]
+    qtype: T
+    group_size: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return self.raw.shape[0], self.raw.shape[1] // size * block
 
     def map_rows(self, fn) -> "Int4Blocks":
-        return Int4Blocks(fn(self.packed), self.k, self.group_size, fn(self.raw), self.qtype)
+        return Int4Blocks(fn(self.raw), self.qtype)
+
+    def pack_into(self, out: torch.Tensor) -> None:
+        """The int4 kernel's rows (`pack_int4(int4_groups(raw, qtype))`, bit for bit) into `out`."""
+        ops = gguf_repack()
+        if ops is not None:
+            ops.gguf_to_int4(self.raw, int(self.qtype), out)
+        else:
+            out.copy_(pack_int4(int4_groups(self.raw, self.qtype)))
 
     def q8_groups(self) -> Q8Groups:
         return q8_groups(self.raw, self.qtype)
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] float32, exact (the file's d * sc, not the layout's float16 rounding of it)."""
+        """[N, K] float32, exact (the file's d * sc, not the int4 layout's float16 rounding of it)."""
         return self.q8_groups().dequantize()
 
 
 def int4_rows(raw: Raw, qtype: T) -> Int4Blocks:
-    """Q4_0 / Q4_1 / Q4_K -> the int4 kernel's rows (`pack_int4(int4_groups(raw, qtype))`, bit for bit)."""
     if qtype not in INT4_TYPES:
         raise ValueError(f"GGUF tensor type {qtype.name} is not a 4-bit type")
-    rows = rows_of(raw)
-    ops = gguf_repack()
-    packed = ops.gguf_to_int4(rows, int(qtype)) if ops is not None else pack_int4(int4_groups(rows, qtype))
-    return Int4Blocks(packed, rows.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0],
-                      32, rows, qtype)
+    return Int4Blocks(rows_of(raw), qtype)
+
+
+def pack_int4_shards(shards: list[Int4Blocks]) -> PackedInt4:
+    """The shards of a layer (stacked along the rows) packed straight into one tensor of int4 rows."""
+    k = shards[0].shape[1]
+    if any(s.shape[1] != k for s in shards):
+        raise ValueError("4-bit shards of a fused layer must have the same number of columns")
+    packed = torch.empty(sum(s.shape[0] for s in shards), k // 2 + 4 * (k // 32), dtype=torch.uint8)
+    row = 0
+    for s in shards:
+        s.pack_into(packed[row:row + s.shape[0]])
+        row += s.shape[0]
+    return PackedInt4(packed, k, 32)
 
 
 def q8_groups(raw: Raw, qtype: T) -> Q8Groups:
@@ -159,13 +182,11 @@ def q8_groups_reference(raw: Raw, qtype: T) -> Q8Groups:
     return Q8Groups(codes.view(torch.int8) if codes.dtype == torch.uint8 else codes, scales, mins)
 
 
-def as_q8_groups(weight: GroupQuantized | PackedInt4 | Q8Groups, group_size: int) -> Q8Groups:
+def as_q8_groups(weight: GroupQuantized | Int4Blocks | Q8Groups, group_size: int) -> Q8Groups:
     """A layer's weight in the common form of a fused layer whose shards differ: Q8Groups with groups of
     `group_size` (16 or 32; a group of 32 becomes two of 16 with the same scale and min). Exact."""
     if isinstance(weight, Int4Blocks):
         weight = weight.q8_groups()
-    elif isinstance(weight, PackedInt4):
-        raise ValueError("packed int4 rows without their GGUF blocks have no exact Q8 form")
     if isinstance(weight, GroupQuantized):  # 4-bit codes fit int8 as they are
         weight = Q8Groups(weight.codes.view(torch.int8), weight.scales, weight.mins)
     repeat = weight.group_size // group_size
