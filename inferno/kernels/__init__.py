@@ -84,3 +84,12 @@ def quantized_gemv():
         return scales.new_empty(codes.shape, dtype=dtype)
 
     return torch.ops.inferno
+
+
+@functools.cache
+def gguf_repack():
+    """The `torch.ops.inferno` namespace holding `gguf_to_int4` and `gguf_to_q8` (raw GGUF blocks -> the int4
+    kernel's rows / Q8Groups' codes, scales and mins, see gguf_repack.cpp), or None when they cannot be built."""
+    if not _build("inferno_gguf_repack", "gguf_repack.cpp", "repacking GGUF blocks with PyTorch ops"):
+        return None
+    return torch.ops.inferno  # load-time operators: no fake shapes for torch.compile needed

@@ -4,7 +4,7 @@ quantized (`QuantizedEmbedding`) and a tied LM head reads the same codes; everyt
 import torch
 from torch import nn
 
-from inferno.layers.quantization import GroupQuantized, Int4Linear, Q8Groups, Q8Linear
+from inferno.layers.quantization import GroupQuantized, Int4Linear, PackedInt4, Q8Groups, Q8Linear
 
 
 class QuantizedEmbedding(nn.Module):
@@ -29,7 +29,8 @@ class QuantizedEmbedding(nn.Module):
         return rows.dequantize().to(self.dtype)
 
 
-def load_native_layers(model: nn.Module, prequantized: dict[str, GroupQuantized | Q8Groups]) -> None:
+def load_native_layers(model: nn.Module,
+                       prequantized: dict[str, GroupQuantized | PackedInt4 | Q8Groups]) -> None:
     """Swap each layer named in `prequantized` (the loader's repacked checkpoint blocks) for its native form."""
     for name, weight in prequantized.items():
         module = model.get_submodule(name)
@@ -40,7 +41,7 @@ def load_native_layers(model: nn.Module, prequantized: dict[str, GroupQuantized 
                 model.lm_head = Q8Linear(embedding.q8_groups, embedding.embedding_dim)
         elif name == "lm_head":
             set_submodule(model, name, Q8Linear(weight, module.weight.shape[1]))
-        elif isinstance(weight, GroupQuantized):
+        elif isinstance(weight, (GroupQuantized, PackedInt4)):
             set_submodule(model, name, Int4Linear(weight, module.bias, module.in_features))
         else:
             set_submodule(model, name, Q8Linear(weight, module.in_features, module.bias))

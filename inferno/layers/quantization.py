@@ -62,6 +62,10 @@ class GroupQuantized:
     def group_size(self) -> int:
         return self.codes.shape[1] // self.scales.shape[1]
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
     def dequantize(self) -> torch.Tensor:
         n, k = self.codes.shape
         groups = self.codes.view(n, -1, self.group_size).float()
@@ -91,6 +95,10 @@ class Q8Groups:
     def group_size(self) -> int:
         return self.codes.shape[1] // self.scales.shape[1]
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: codes * scales + mins, in float32 and in that order."""
         n, k = self.codes.shape
@@ -108,6 +116,29 @@ class Q8Groups:
         if any(p.mins is not None for p in parts):
             mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins for p in parts])
         return Q8Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+
+@dataclass(slots=True)
+class PackedInt4:
+    """4-bit groups already in the int4 kernel's row layout (`pack_int4`'s rows; the GGUF loader's native repack
+    writes them straight from Q4_0 / Q4_1 / Q4_K blocks). Rows are independent: permuting or stacking rows of
+    `packed` permutes or stacks the weight's rows."""
+    packed: torch.Tensor  # [N, K / 2 + 4 * K / group_size] uint8
+    k: int
+    group_size: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.k
+
+    def map_rows(self, fn) -> "PackedInt4":
+        return PackedInt4(fn(self.packed), self.k, self.group_size)
+
+    @staticmethod
+    def cat(parts: list["PackedInt4"]) -> "PackedInt4":
+        if len({(p.k, p.group_size) for p in parts}) != 1:
+            raise ValueError("packed int4 shards must share K and the group size to be stacked")
+        return PackedInt4(torch.cat([p.packed for p in parts]), parts[0].k, parts[0].group_size)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,16 +315,21 @@ class Int4Linear(nn.Module):
     batches run the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense GEMM in
     COMPUTE_DTYPE on the dequantized weight."""
 
-    def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None, in_features: int | None = None):
+    def __init__(self, weight: GroupQuantized | PackedInt4, bias: torch.Tensor | None, in_features: int | None = None):
         """`weight` may have columns appended (up to a multiple of the group size) beyond `in_features`; inputs are
-        zero-padded alike, so those columns add nothing."""
+        zero-padded alike, so those columns add nothing. A `PackedInt4` is taken as it is."""
         super().__init__()
-        self.out_features = weight.codes.shape[0]
-        self.in_features = in_features or weight.codes.shape[1]
+        self.out_features, k = weight.shape
+        self.in_features = in_features or k
         self.group_size = weight.group_size
-        weight = pad_columns(weight, self.group_size)
-        self.padded_in_features = weight.codes.shape[1]
-        self.register_buffer("weight", pack_int4(weight))
+        if isinstance(weight, PackedInt4):
+            if k % self.group_size:
+                raise ValueError(f"packed int4 rows of {k} columns are not whole groups of {self.group_size}")
+            self.padded_in_features, packed = k, weight.packed.contiguous()
+        else:
+            weight = pad_columns(weight, self.group_size)
+            self.padded_in_features, packed = weight.codes.shape[1], pack_int4(weight)
+        self.register_buffer("weight", packed)
         self.register_buffer("bias", bias)
         self.native = quantized_gemv() is not None
 

@@ -9,10 +9,11 @@ import torch
 
 from inferno.config import ModelConfig
 from inferno.layers.quantization import GroupQuantized, Q8Groups
-from inferno.loader.gguf_blocks import INT4_TYPES, int4_groups, q8_groups
+from inferno.loader.gguf_blocks import INT4_TYPES, Int4Blocks, int4_groups, int4_rows, q8_groups
 from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 
 T = gguf.GGMLQuantizationType
+Blocks = GroupQuantized | Int4Blocks | Q8Groups  # quantized blocks in a kernel's form
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -94,9 +95,10 @@ def has_quantized_tensors(gguf_file: GGUFFile) -> bool:
     return any(t.tensor_type not in FLOAT_TYPES for t in gguf_file.tensors)
 
 
-def native_weight(tensor: GGUFTensor, name: str, native: str) -> GroupQuantized | Q8Groups | None:
+def native_weight(tensor: GGUFTensor, name: str,
+                  native: str) -> GroupQuantized | Int4Blocks | Q8Groups | None:
     """The tensor's blocks in a form a kernel runs, or None where it is to become float. `native` "auto": every
-    quantized projection (4-bit types as int4 groups, the others as Q8 groups), the token embedding and the LM head
+    quantized projection (4-bit types in the int4 layout, the others as Q8 groups), the token embedding and the LM head
     (Q8 groups, which hold every type exactly); "q4": only Q4_0 / Q4_1 projections (explicit int4 / int8 with
     groups of 32); "none": nothing."""
     qtype = tensor.tensor_type
@@ -106,7 +108,7 @@ def native_weight(tensor: GGUFTensor, name: str, native: str) -> GroupQuantized 
     if native == "q4":
         return int4_groups(tensor.data, qtype) if projection and qtype in Q4_LEGACY_TYPES else None
     if projection and qtype in INT4_TYPES:
-        return int4_groups(tensor.data, qtype)
+        return int4_rows(tensor.data, qtype)
     if projection or name in ("model.embed_tokens.weight", "lm_head.weight"):
         return q8_groups(tensor.data, qtype)
     return None
@@ -121,7 +123,7 @@ def float_weight(tensor: GGUFTensor) -> torch.Tensor:
 
 
 def iter_weights(gguf_file: GGUFFile, config: ModelConfig,
-                 native: str = "none") -> Iterator[tuple[str, torch.Tensor | GroupQuantized | Q8Groups]]:
+                 native: str = "none") -> Iterator[tuple[str, torch.Tensor | Blocks]]:
     """HF-named weights, float tensors or (see `native_weight`) quantized blocks repacked without dequantizing."""
     if native not in ("none", "q4", "auto"):
         raise ValueError(f"native must be 'none', 'q4' or 'auto', got {native!r}")

