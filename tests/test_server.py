@@ -94,7 +94,9 @@ class RemoteServer:
 
 @pytest.fixture(scope="module")
 def server():
-    server = RemoteServer("--max-model-len", "512", "--kv-cache-memory", str(256 << 20))
+    # the float32 model of the `llm` fixture, which test_completion_beam_search_returns_the_offline_beams compares with
+    server = RemoteServer("--max-model-len", "512", "--kv-cache-memory", str(256 << 20),
+                          "--quantization", "none", "--dtype", "float32")
     yield server
     server.close()
 
