@@ -134,12 +134,6 @@ class PackedInt4:
     def map_rows(self, fn) -> "PackedInt4":
         return PackedInt4(fn(self.packed), self.k, self.group_size)
 
-    @staticmethod
-    def cat(parts: list["PackedInt4"]) -> "PackedInt4":
-        if len({(p.k, p.group_size) for p in parts}) != 1:
-            raise ValueError("packed int4 shards must share K and the group size to be stacked")
-        return PackedInt4(torch.cat([p.packed for p in parts]), parts[0].k, parts[0].group_size)
-
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> int8 codes [N, K] and per-row scales [N] (w ≈ codes * scale)."""
