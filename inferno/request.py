@@ -5,6 +5,7 @@ import time
 import torch
 
 from inferno.core.kv_blocks import BlockHash
+from inferno.core.token_counts import TokenCounts
 from inferno.outputs import PositionLogprobs, RequestMetrics
 from inferno.sampling_params import SamplingParams
 
@@ -31,7 +32,7 @@ FINISH_REASONS = {
 }
 
 
-class Request:
+class Request(TokenCounts):
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], max_model_len: int, arrival_time: float | None = None,
                  beam_search_id: str | None = None):
@@ -61,22 +62,6 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
 
     @property
     def is_finished(self) -> bool:

@@ -4,11 +4,12 @@ from dataclasses import dataclass
 import torch
 
 from inferno.core.scheduler_output import NewRequestData, SchedulerOutput
+from inferno.core.token_counts import TokenCounts
 from inferno.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
-class CachedRequestState:
+class CachedRequestState(TokenCounts):
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # prompt + output, as the engine kept them
@@ -26,22 +27,6 @@ class CachedRequestState:
         return cls(data.req_id, list(data.prompt_token_ids), data.prompt_token_ids + data.output_token_ids, params,
                    data.eos_token_ids, list(data.block_ids), data.num_computed_tokens, generator,
                    int(params.prompt_logprobs is not None))
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
 
 
 def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
