@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, one engine request."""
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
 
 from fastapi import Request
@@ -51,6 +52,9 @@ class ServingChat(OpenAIServing):
         self.check_length(prompt, max_tokens, "max_completion_tokens")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, num_logprobs, structured_outputs=constraint)
+        if request.tools and request.tool_choice in (None, "auto") and self.tool_call_parser is not None:
+            # tool-call markup such as <tool_call> may be special tokens: the parser must see them
+            params = replace(params, skip_special_tokens=False)
         request_id = f"chatcmpl-{request_id_of(raw_request)}"
         streams = await self.add_requests(request_id, [prompt], params)
         headers = {"X-Request-Id": request_id}
