@@ -45,6 +45,7 @@ def stream(parser: ChatOutputParser, text: str, step: int):
     (ChatOutputParser(reasoning_parser("deepseek_r1"), HermesToolParser()), THINK),
     (ChatOutputParser(reasoning_parser("qwen3"), None), "<think>hmm</think>\n\nThe answer is 4."),
     (ChatOutputParser(None, HermesToolParser()), "No tools needed: 2 < 3 and <tool is fine."),
+    (ChatOutputParser(None, HermesToolParser()), ' {"name": "get_time", "arguments": {"tz": "UTC"}}'),
 ])
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
 def test_streamed_deltas_add_up_to_the_whole_message(parser, text, step):

@@ -83,10 +83,16 @@ def json_calls(text: str) -> list[PartialCall]:
 
 
 class HermesToolParser:
-    """Qwen2.5, Hermes and similar templates: calls wrapped in <tool_call> tags, text around them is content."""
+    """Qwen2.5, Hermes and similar templates: calls wrapped in <tool_call> tags, text around them is content. Small
+    models often leave the tags out: a reply that is bare call objects counts as calls too."""
     START, END = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str, final: bool) -> ParsedTools:
+        body = text.lstrip()
+        if body.startswith("{"):
+            return ParsedTools("", json_calls(body))
+        if not body and not final:
+            return ParsedTools("")
         parsed, pos = ParsedTools(""), 0
         while True:
             start = text.find(self.START, pos)
