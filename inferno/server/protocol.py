@@ -97,7 +97,7 @@ class SamplingRequest(OpenAIModel):
         if format.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if format.json_schema is None or format.json_schema.schema_ is None:
-            raise ValueError("structured_outputs: response_format of type json_schema needs json_schema.schema")
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
         return StructuredOutputsParams(json=format.json_schema.schema_)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,

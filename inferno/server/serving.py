@@ -16,7 +16,7 @@ from inferno.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 from inferno.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
 
-SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} | {"response_format"}  # names a ValueError may start with
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
