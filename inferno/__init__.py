@@ -2,6 +2,7 @@
 from inferno.engine.llm_engine import LLMEngine
 from inferno.entrypoints.llm import LLM
 from inferno.outputs import CompletionOutput, Logprob, RequestOutput
-from inferno.sampling_params import RequestOutputKind, SamplingParams
+from inferno.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
+           "StructuredOutputsParams"]

@@ -3,6 +3,32 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's constrained decoding options: exactly one of json (a JSON schema, as a dict or its text), regex,
+    choice (one of these strings), grammar (Lark or GBNF) or json_object (any JSON object)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: compact separators, no optional whitespace
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {given or 'none'}")
+        if self.choice is not None and not (isinstance(self.choice, list)
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs choice must be a list of non-empty strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs {name} must be a string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs json must be a JSON schema: a dict or its JSON text")
+
+
 class RequestOutputKind(Enum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new
@@ -34,6 +60,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never"
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON schema, regex, ...)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,12 +104,15 @@ class SamplingParams:
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
         check(self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams")
         if self.use_beam_search:
             unsupported = {"logprobs": self.logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
                            "stop": bool(self.stop_strings), "min_tokens": self.min_tokens > 0,
                            "presence_penalty": self.presence_penalty != 0.0,
                            "frequency_penalty": self.frequency_penalty != 0.0,
-                           "repetition_penalty": self.repetition_penalty != 1.0}
+                           "repetition_penalty": self.repetition_penalty != 1.0,
+                           "structured_outputs": self.structured_outputs is not None}
             for name, used in unsupported.items():
                 check(not used, name, "is not supported with use_beam_search")
 

@@ -42,6 +42,9 @@ class SchedulerOutput:
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) copy-on-write
     finished_req_ids: set[str] = field(default_factory=set)  # ended since the last step: the worker forgets them
+    # structured outputs: request id -> [1 + drafts, ceil(vocab / 32)] int32 bitmasks of the tokens its grammar
+    # allows where it samples (its last token, then after each draft token); only constrained requests that sample
+    grammar_bitmask: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

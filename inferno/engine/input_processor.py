@@ -7,6 +7,7 @@ from typing import NotRequired, TypedDict
 from inferno.config import ModelConfig
 from inferno.loader.tokenizer import Tokenizer
 from inferno.sampling_params import SamplingParams
+from inferno.structured_output.grammar import check_structured_outputs
 
 
 class TextPrompt(TypedDict):
@@ -82,6 +83,8 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, got {value}")
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens") -> None:
         """The OpenAI server's rule: prompt and completion together must fit max_model_len (offline, a long

@@ -21,8 +21,10 @@ from inferno.sampling_params import SamplingParams
 from inferno.spec_decode.draft_model import DraftModelProposer
 from inferno.spec_decode.metrics import SpecDecodingStats
 from inferno.spec_decode.ngram import NgramProposer
+from inferno.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("inferno")
+GRAMMAR_POLL_S = 0.02  # a step with nothing to run but grammars compiling waits this long for one
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -43,8 +45,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.output_processor = OutputProcessor(self.tokenizer)
-        stop_checker = StopChecker(self.output_processor.detokenize_last_token)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, stop_checker)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        stop_checker = StopChecker(self.output_processor.detokenize_last_token, self.structured_output.grammar_of)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, stop_checker, self.structured_output)
         self.beam_searches: dict[str, BeamSearch] = {}
         try:
             self.proposer = self._proposer()
@@ -63,6 +66,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's ranks; the engine cannot run steps afterwards."""
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     def _proposer(self) -> NgramProposer | DraftModelProposer | None:
@@ -121,6 +125,8 @@ class LLMEngine:
             req = Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len,
                           arrival_time)
             state.samples.append(SampleState(index, req, IncrementalDetokenizer(self.tokenizer, child_params)))
+            if params.structured_outputs is not None:
+                self.structured_output.add_request(child_id, params.structured_outputs)
         self.output_processor.add_request(state)
         leader = state.samples[0].request
         for sample in state.samples:  # the other samples fork the first one's prompt
@@ -146,9 +152,11 @@ class LLMEngine:
 
     # one step
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_grammars()
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:
-            return []
+            self.structured_output.wait_for_compile(GRAMMAR_POLL_S)
+            return failed
         try:
             output = self.executor.execute_model(sched)
         except ExecutorDeadError:  # no step can run any more: the engine is done
@@ -164,6 +172,7 @@ class LLMEngine:
         self.output_processor.record_logprobs(output)
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.spec_policy.plan(self.scheduler.running))
+            self.structured_output.trim_drafts(self.scheduler.running)
         # a token reaches its user when the step returns: after the drafts for the next step (the draft model's
         # prefill of a new prompt counts in its time to first token)
         now = time.time()
@@ -174,7 +183,16 @@ class LLMEngine:
                 req.metrics.last_token_time = now
             if req.is_finished:  # the scheduler's stop checker decided it, with this step's last token
                 req.metrics.finished_time = now
-        return outputs + self.output_processor.make_outputs(updated)
+        return failed + outputs + self.output_processor.make_outputs(updated)
+
+    def _fail_grammars(self) -> list[RequestOutput]:
+        """End the requests whose grammar could not be compiled."""
+        outputs = []
+        for request_id, message in self.structured_output.take_failed().items():
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                outputs += self._fail([req], message)
+        return outputs
 
     def _requests_in(self, sched: SchedulerOutput) -> list[Request]:
         return [self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens]

@@ -4,6 +4,7 @@ Every request has `num_computed_tokens` and `num_tokens`; a step hands out token
 Prefill, chunked prefill, decode and recompute after preemption are all the same mechanism. A request admitted
 from the waiting queue starts after its longest prefix-cache hit. The samples of an n > 1 request wait until the
 first sample has computed the prompt, then fork its blocks and compute only the prompt's last token themselves.
+A request with structured outputs stays waiting until its grammar is compiled; the requests behind it go ahead.
 """
 import time
 from collections import deque
@@ -16,11 +17,14 @@ from inferno.engine.worker_view import WorkerView
 from inferno.request import Request, RequestStatus
 from inferno.spec_decode.metrics import SpecDecodingStats
 from inferno.spec_decode.policy import SpeculationPolicy
+from inferno.structured_output.manager import StructuredOutputManager
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, stop_checker: StopChecker):
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, stop_checker: StopChecker,
+                 structured_output: StructuredOutputManager):
         self.stop_checker = stop_checker
+        self.structured_output = structured_output
         self.worker_view = WorkerView()
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
@@ -83,8 +87,12 @@ class Scheduler:
                 if num_drafts > 0:
                     spec_token_ids[req.request_id] = req.spec_token_ids[:num_drafts]
         # waiting requests, first come first served; none while memory is short
+        compiling: list[Request] = []  # passed over: their grammar is not compiled yet
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if not self.structured_output.is_ready(req.request_id):
+                compiling.append(self.waiting.popleft())
+                continue
             hits = self.kv_cache_manager.get_computed_blocks(req)
             num_new = min(req.num_tokens - len(hits or ()) * self.kv_cache_manager.block_size, budget)
             if not self.kv_cache_manager.allocate_slots(req, num_new + self.num_lookahead_tokens, hits):
@@ -93,6 +101,7 @@ class Scheduler:
             self._start(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return self._scheduler_output(scheduled, spec_token_ids)
 
     def _scheduler_output(self, scheduled: dict[str, int], spec_token_ids: dict[str, list[int]]) -> SchedulerOutput:
@@ -110,8 +119,11 @@ class Scheduler:
             if rid in spec_token_ids and req.draft_probs is not None:
                 draft_probs[rid] = req.draft_probs[:len(spec_token_ids[rid])]
         finished = self.worker_view.take_finished() if scheduled else set()  # else: sent with the next step
+        sampling = {rid: spec_token_ids.get(rid, []) for rid, n in scheduled.items()
+                    if self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens}
         return SchedulerOutput(new_reqs, cached, scheduled, spec_token_ids, draft_probs,
-                               self.kv_cache_manager.take_block_copies(), finished)
+                               self.kv_cache_manager.take_block_copies(), finished,
+                               self.structured_output.bitmasks(sampling))
 
     def _start(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
@@ -182,6 +194,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         self.requests.pop(req.request_id, None)
         self.worker_view.forget(req.request_id)
+        self.structured_output.remove(req.request_id)
         # its prompt was never computed: the requests waiting to fork it compute the prompt themselves
         self.waiting.extendleft(reversed(self.forks.pop(req.request_id, [])))
 

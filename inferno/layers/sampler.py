@@ -1,9 +1,9 @@
-"""Batched sampling: penalties -> temperature -> top-k / top-p / min-p -> sample, with per-request seeds.
+"""Batched sampling: grammar mask -> penalties -> temperature -> top-k / top-p / min-p -> sample, with per-request seeds.
 
 Sampling uses the exponential-race trick (argmax of probs / Exp(1) noise), so a seeded request draws its noise
 from its own generator and gets the same tokens whatever else is in the batch.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,10 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # per penalty row
     banned_token_ids: dict[int, list[int]]  # row -> tokens not allowed yet (EOS and stop tokens before min_tokens)
     max_num_logprobs: int | None  # None: no logprobs wanted
+    # structured outputs: rows whose tokens a grammar constrains, and per such row the allowed tokens as bits
+    # ([len(grammar_rows), ceil(vocab / 32)] int32; bit j of word i allows token 32 * i + j)
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -46,6 +50,22 @@ def token_counts(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(len(rows), vocab_size + 1)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab_size]
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """Tokens a row's grammar does not allow get -inf (before any sampling parameter sees the logits)."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()
+    index = torch.tensor(rows, dtype=torch.long)
+    logits[index] = logits[index].masked_fill(~allowed, NEG_INF)
+    return logits
+
+
+def allowed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits with each constrained row's disallowed tokens at -inf (a copy when any row is constrained)."""
+    if not md.grammar_rows:
+        return logits
+    return apply_grammar_bitmask(logits.clone(), md.grammar_rows, md.grammar_bitmask)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -93,9 +113,11 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distribution each row samples from, as logits (banned tokens, penalties, temperature, top-k / top-p /
+    """The distribution each row samples from, as logits (grammar mask, banned tokens, penalties, temperature, top-k / top-p /
     min-p applied; greedy rows are left untempered), and the greedy token of each row."""
     logits = logits.clone()
+    if md.grammar_rows:
+        apply_grammar_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
     for row, tokens in md.banned_token_ids.items():
         logits[row, tokens] = NEG_INF
     if md.penalty_rows:
@@ -114,8 +136,9 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Te
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """logits: [B, vocab] float32, one row per request that produces a token this step."""
-        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        """logits: [B, vocab] float32, one row per request that produces a token this step. Logprobs are those of
+        the model's distribution after the grammar mask (a constrained row's disallowed tokens have -inf)."""
+        raw_logprobs = allowed_logits(logits, md).log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         logits, greedy = process_logits(logits, md)
         if md.all_greedy:
             sampled = greedy

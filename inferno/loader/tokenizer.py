@@ -162,6 +162,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The `tokenizers` tokenizer serialized (tokenizer.json), for libraries that build their own from it."""
+        return self._tokenizer.to_str()
+
     def id_to_token(self, i: int) -> str:
         return self._tokenizer.decode([i], skip_special_tokens=False)
 

@@ -54,11 +54,11 @@ def _needs_api_key(path: str) -> bool:
     return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
-def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
-              api_key: str | None = None) -> FastAPI:
+def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry, api_key: str | None = None,
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The app serving `async_llm`; the engine thread starts and stops with the app's lifespan."""
     completions = ServingCompletion(async_llm, model_name)
-    chat = ServingChat(async_llm, model_name)
+    chat = ServingChat(async_llm, model_name, tool_call_parser, reasoning_parser)
     tokenizer = OpenAIServing(async_llm, model_name)
 
     @asynccontextmanager
@@ -168,7 +168,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     disable_created_metrics()  # no `_created` series next to every counter and histogram
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine, config.max_waiting_requests, [PrometheusStatLogger(registry, model_name)])
-    app = build_app(async_llm, model_name, registry, config.api_key)
+    app = build_app(async_llm, model_name, registry, config.api_key, config.tool_call_parser,
+                    config.reasoning_parser)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                     access_log=not config.disable_uvicorn_access_log, timeout_graceful_shutdown=5)

@@ -13,6 +13,8 @@ class ServerConfig:
     max_waiting_requests: int | None = None  # None: unbounded
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
+    tool_call_parser: str | None = None  # None: the chat template's format
+    reasoning_parser: str | None = None  # None: no reasoning_content
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +31,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                        help="how tool calls are read from replies (default: from the chat template)")
+    parser.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                        help="put <think>...</think> text in reasoning_content (default: off)")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -37,4 +43,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=args.api_key or None, max_waiting_requests=args.max_waiting_requests,
                         uvicorn_log_level=args.uvicorn_log_level,
-                        disable_uvicorn_access_log=args.disable_uvicorn_access_log)
+                        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)

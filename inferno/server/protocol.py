@@ -1,10 +1,11 @@
 """OpenAI's request and response bodies (plus vLLM's extra sampling fields), as pydantic models."""
 import time
+from dataclasses import fields
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inferno.sampling_params import SamplingParams
+from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_N = 128
@@ -30,6 +31,21 @@ class ErrorResponse(OpenAIModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+STRUCTURED_OUTPUTS_KEYS = {f.name for f in fields(StructuredOutputsParams)}
 
 
 class SamplingRequest(OpenAIModel):
@@ -58,13 +74,35 @@ class SamplingRequest(OpenAIModel):
     use_beam_search: bool = False  # n beams, all returned best first; sampling fields are ignored
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar or json_object
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint asked for by `structured_outputs` or `response_format` (ValueError when malformed)."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.type != "text":
+                raise ValueError("structured_outputs and response_format cannot be used together")
+            unknown = sorted(set(self.structured_outputs) - STRUCTURED_OUTPUTS_KEYS)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown keys {unknown}; known keys are "
+                                 f"{sorted(STRUCTURED_OUTPUTS_KEYS)}")
+            return StructuredOutputsParams(**self.structured_outputs)
+        format = self.response_format
+        if format is None or format.type == "text":
+            return None
+        if format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if format.json_schema is None or format.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=format.json_schema.schema_)
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
@@ -75,7 +113,8 @@ class SamplingRequest(OpenAIModel):
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, use_beam_search=self.use_beam_search,
-            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            structured_outputs=structured_outputs or self.structured_outputs_params())
 
 
 class CompletionRequest(SamplingRequest):
@@ -100,19 +139,15 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -161,9 +196,22 @@ class ChoiceLogprobs(OpenAIModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -183,9 +231,23 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):

@@ -1,5 +1,6 @@
 """What the OpenAI endpoints share: errors, checks, prompts, handing requests to AsyncLLM, SSE, disconnects."""
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
@@ -12,10 +13,10 @@ from starlette.types import Receive, Scope, Send
 
 from inferno.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from inferno.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from inferno.sampling_params import SamplingParams
+from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 from inferno.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
 
-SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} | {"response_format"}  # names a ValueError may start with
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
@@ -116,9 +117,10 @@ class OpenAIServing:
             raise OpenAIError(str(e), param=param) from e
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         try:
-            params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params = request.sampling_params(max_tokens, logprobs, prompt_logprobs, structured_outputs)
             self.input_processor.check_params(params)
             return params
         except ValueError as e:
@@ -176,6 +178,11 @@ def invalid_request(error: ValueError) -> OpenAIError:
 def template_message(message: ChatMessage) -> dict:
     """A message as chat templates expect it: text content parts joined into one string."""
     rendered = message.model_dump(exclude_none=True)
+    for call in rendered.get("tool_calls") or []:  # templates read the arguments as a mapping, as transformers does
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            with suppress(json.JSONDecodeError):
+                function["arguments"] = json.loads(function["arguments"])
     if isinstance(message.content, list):
         texts = []
         for part in message.content:

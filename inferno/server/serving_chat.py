@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, one engine request."""
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
 
 from fastapi import Request
@@ -8,25 +9,52 @@ from fastapi.responses import Response
 
 from inferno.engine.async_llm import EngineDeadError, RequestFailedError, RequestStream
 from inferno.outputs import Logprob, PositionLogprobs
+from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
 from inferno.server.protocol import (
     AssistantMessage, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChoiceLogprobs, DeltaMessage, TokenLogprob, TopLogprob)
+from inferno.server.reasoning import REASONING_PARSERS, reasoning_parser
 from inferno.server.serving import (
     SSE_DONE, ChoiceAccumulator, EnginePrompt, EngineStreamingResponse, OpenAIError, OpenAIServing,
     cancel_on_disconnect, clamp_logprob, json_response, request_id_of, server_error, sse, usage_of)
+from inferno.server.tool_calls import check_tools, tool_constraint, tool_parser, tools_for_template
+from inferno.server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 
 class ServingChat(OpenAIServing):
+    def __init__(self, async_llm, model_name: str, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
+        super().__init__(async_llm, model_name)
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {reasoning_parser!r}")
+        # auto tool choice reads calls in the chat template's format (or the one named by --tool-call-parser)
+        self.tool_call_parser = tool_call_parser or tool_parser_for_template(self.tokenizer.chat_template)
+        self.reasoning_parser = reasoning_parser
+
+    def output_parser(self, request: ChatCompletionRequest) -> ChatOutputParser:
+        tools = tool_parser(request.tool_choice, self.tool_call_parser) if request.tools else None
+        return ChatOutputParser(reasoning_parser(self.reasoning_parser), tools)
+
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_sampling(request)
         self.check_chat_options(request)
-        prompt = self.chat_prompt(request.messages, request.add_generation_prompt, request.tools,
-                                  request.chat_template_kwargs)
+        functions = check_tools(request.tools, request.tool_choice)
+        constraint = tool_constraint(functions, request.tool_choice, request.parallel_tool_calls)
+        if constraint is not None and (request.response_format is not None or request.structured_outputs):
+            raise OpenAIError("tool_choice 'required' or a named function cannot be combined with response_format "
+                              "or structured_outputs", param="tool_choice")
+        prompt = self.chat_prompt(request.messages, request.add_generation_prompt,
+                                  tools_for_template(request.tools, request.tool_choice), request.chat_template_kwargs)
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_length(prompt, max_tokens, "max_completion_tokens")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, num_logprobs)
+        params = self.sampling_params(request, max_tokens, num_logprobs, structured_outputs=constraint)
+        if request.tools and request.tool_choice in (None, "auto") and self.tool_call_parser is not None:
+            # tool-call markup such as <tool_call> may be special tokens: the parser must see them
+            params = replace(params, skip_special_tokens=False)
         request_id = f"chatcmpl-{request_id_of(raw_request)}"
         streams = await self.add_requests(request_id, [prompt], params)
         headers = {"X-Request-Id": request_id}
@@ -43,11 +71,6 @@ class ServingChat(OpenAIServing):
     def check_chat_options(request: ChatCompletionRequest) -> None:
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("logprobs must be true when top_logprobs is set", param="top_logprobs")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise OpenAIError(f"response_format {request.response_format.type!r} is not supported; only 'text'",
-                              param="response_format")
-        if request.tool_choice not in (None, "none", "auto"):
-            raise OpenAIError("tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
 
     def logprobs(self, token_ids: list[int], positions: list[PositionLogprobs], num_top: int) -> ChoiceLogprobs:
         content = []
@@ -70,13 +93,16 @@ class ServingChat(OpenAIServing):
                     choices[completion.index].add(completion)
         except (RequestFailedError, EngineDeadError) as e:
             raise server_error(str(e)) from e
-        response_choices = [
-            ChatCompletionChoice(
-                index=index, message=AssistantMessage(content=choice.text),
+        parser = self.output_parser(request)
+        response_choices = []
+        for index, choice in enumerate(choices):
+            reasoning, content, tool_calls = parser.message_fields(choice.text)
+            response_choices.append(ChatCompletionChoice(
+                index=index, message=AssistantMessage(content=content, reasoning_content=reasoning,
+                                                      tool_calls=tool_calls),
                 logprobs=self.logprobs(choice.token_ids, choice.logprobs, request.top_logprobs or 0)
                 if request.logprobs else None,
-                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
-            for index, choice in enumerate(choices)]
+                finish_reason=finish_reason(choice.finish_reason, bool(tool_calls)), stop_reason=choice.stop_reason))
         usage = usage_of([prompt], sum(len(c.token_ids) for c in choices))
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=response_choices, usage=usage)
         return json_response(response, headers)
@@ -92,6 +118,8 @@ class ServingChat(OpenAIServing):
         for index in range(request.n):
             yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         num_completion_tokens = 0
+        parser = self.output_parser(request)
+        trackers = [ChatDeltaTracker(parser) for _ in range(request.n)]
         try:
             async for output in stream:
                 for completion in output.outputs:
@@ -100,11 +128,22 @@ class ServingChat(OpenAIServing):
                     if request.logprobs:
                         logprobs = self.logprobs(completion.token_ids, completion.logprobs or [],
                                                  request.top_logprobs or 0)
+                    tracker = trackers[completion.index]
+                    finished = completion.finish_reason is not None
+                    delta = tracker.delta(completion.text, finished)
+                    if delta is None and not finished and logprobs is None:
+                        continue  # text held back (it may be markup)
                     yield chunk([ChatCompletionStreamChoice(
-                        index=completion.index, delta=DeltaMessage(content=completion.text), logprobs=logprobs,
-                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)])
+                        index=completion.index, delta=delta or DeltaMessage(), logprobs=logprobs,
+                        finish_reason=finish_reason(completion.finish_reason, tracker.num_calls > 0)
+                        if finished else None, stop_reason=completion.stop_reason)])
             if request.include_usage:
                 yield chunk([], usage_of([prompt], num_completion_tokens))
         except (RequestFailedError, EngineDeadError) as e:
             yield sse(server_error(str(e)).body)
         yield SSE_DONE
+
+
+def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" when a reply that stopped by itself made calls."""
+    return "tool_calls" if has_tool_calls and reason == "stop" else reason

@@ -98,7 +98,7 @@ class ModelRunner:
         update_states(self.requests, sched)
         plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
         logits = self.run_step(plan.step)
-        return self.sample(plan, logits) if self.parallel.rank == 0 else None
+        return self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
 
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:
@@ -198,11 +198,15 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping, [DecodeGroup(0, input_ids.shape[0], block_tables, seq_lens)], [])
         return self.model(input_ids, positions, meta)
 
-    def sample(self, plan: StepPlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
+    def sample(self, plan: StepPlan, logits: torch.Tensor | None,
+               grammar_bitmask: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
+        """`grammar_bitmask`: request id -> the tokens its grammar allows at each position it samples."""
         out = ModelRunnerOutput(sampled_token_ids={})
+        bitmasks = grammar_bitmask or {}
         requests = plan.sample_requests
         if requests:
-            md = sampling_metadata([(r, []) for r in requests], self.config.vocab_size)
+            md = sampling_metadata([(r, []) for r in requests], self.config.vocab_size,
+                                   [bitmasks.get(r.request_id) for r in requests])
             result = self.sampler(logits[plan.sample_rows], md)
             sampled = result.sampled_token_ids.tolist()
             for i, req in enumerate(requests):
@@ -214,7 +218,7 @@ class ModelRunner:
                         k = 1 + req.sampling_params.logprobs
                         out.logprobs[req.request_id] = (ids[i][:k], values[i][:k], ranks[i])
         if plan.spec_requests:
-            self._verify_drafts(plan, logits, out)
+            self._verify_drafts(plan, logits, out, bitmasks)
         for req, rows, targets in plan.prompt_logprob_rows:
             logprobs = logits[rows].log_softmax(dim=-1)
             result = gather_logprobs(logprobs, torch.tensor(targets), req.sampling_params.prompt_logprobs)
@@ -222,13 +226,16 @@ class ModelRunner:
                 result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
         return out
 
-    def _verify_drafts(self, plan: StepPlan, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _verify_drafts(self, plan: StepPlan, logits: torch.Tensor, out: ModelRunnerOutput,
+                       bitmasks: dict[str, torch.Tensor]) -> None:
         """Target logits at all 1 + k positions of each speculating request -> rejection sampling."""
-        metadata_rows, drafts = [], []
+        metadata_rows, drafts, row_bitmasks = [], [], []
         for req, tokens, probs in zip(plan.spec_requests, plan.spec_token_ids, plan.spec_draft_probs):
             metadata_rows.extend((req, tokens[:j]) for j in range(len(tokens) + 1))
             drafts.append(Drafts(tokens, probs, req.generator))
-        md = sampling_metadata(metadata_rows, self.config.vocab_size)
+            bitmask = bitmasks.get(req.request_id)
+            row_bitmasks.extend([None] * (len(tokens) + 1) if bitmask is None else bitmask)
+        md = sampling_metadata(metadata_rows, self.config.vocab_size, row_bitmasks)
         emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
         for req, tokens in zip(plan.spec_requests, emitted):
             out.sampled_token_ids[req.request_id] = tokens
@@ -286,9 +293,10 @@ class SamplingState(Protocol):
     def output_token_ids(self) -> list[int]: ...
 
 
-def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: int) -> SamplingMetadata:
+def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: int,
+                      bitmasks: list[torch.Tensor | None] | None = None) -> SamplingMetadata:
     """One row per (request, draft tokens before the position): penalties and min_tokens see the output so far
-    plus those drafts."""
+    plus those drafts. `bitmasks`: per row, the tokens its grammar allows (None: unconstrained)."""
     requests = [r for r, _ in rows]
     params = [r.sampling_params for r in requests]
     temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
@@ -299,6 +307,7 @@ def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: i
         if r.num_output_tokens + len(drafts) < r.sampling_params.min_tokens:
             banned[i] = sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
     wanted = [p.logprobs for p in params if p.logprobs is not None]
+    grammar_rows = [i for i, bitmask in enumerate(bitmasks or []) if bitmask is not None]
 
     def column(name: str, off, dtype) -> torch.Tensor | None:
         values = [getattr(p, name) for p in params]
@@ -324,4 +333,6 @@ def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: i
         output_token_ids=[requests[i].output_token_ids + rows[i][1] for i in penalty_rows],
         banned_token_ids={i: t for i, t in banned.items() if t},
         max_num_logprobs=max(wanted) if wanted else None,
+        grammar_rows=grammar_rows,
+        grammar_bitmask=torch.stack([bitmasks[i] for i in grammar_rows]) if grammar_rows else None,
     )
