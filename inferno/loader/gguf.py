@@ -15,7 +15,7 @@ from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 T = gguf.GGMLQuantizationType
 Blocks = GroupQuantized | Int4Blocks | Q8Groups  # quantized blocks in a kernel's form
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # GGUF tensor name (without "blk.N.") -> Hugging Face name (without "model.layers.N.")
 LAYER_TENSORS = {
@@ -27,6 +27,8 @@ LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -72,6 +74,7 @@ def read_config(gguf_file: GGUFFile) -> ModelConfig:
         max_position_embeddings=field(f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="head" if "blk.0.attn_q_norm.weight" in names else None,
     )
 
 

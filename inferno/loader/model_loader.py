@@ -146,10 +146,15 @@ def load_weights(model: LlamaForCausalLM,
             continue
         module_path, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
         target, shard = name, 0
+        if proj.endswith("norm") and config.norm_offset:  # Gemma's (1 + w) norms
+            w = w + config.norm_offset
+        if proj in ("q_norm", "k_norm"):  # per head (or over all heads): into the interleaved rotary order
+            heads = 1 if config.qk_norm == "head" else model_heads(config, proj)
+            w = interleave_rotary_rows(w, heads)
         if proj in PACKED:
             fused, shard = PACKED[proj]
             if proj in ("q_proj", "k_proj"):
-                heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+                heads = model_heads(config, proj)
                 w = interleave_rotary_rows(w, heads) if isinstance(w, torch.Tensor) \
                     else w.map_rows(lambda t: interleave_rotary_rows(t, heads))
             target = f"{module_path}.{fused}.{kind}"
@@ -179,6 +184,11 @@ def load_weights(model: LlamaForCausalLM,
             for shard, (checkpoint_name, w) in shards.items():
                 copy_weight(checkpoint_name, name, w.dequantize(), shard)
     return prequantized
+
+
+def model_heads(config: ModelConfig, proj: str) -> int:
+    """Heads of a query (q_proj, q_norm) or key (k_proj, k_norm) tensor."""
+    return config.num_attention_heads if proj.startswith("q") else config.num_key_value_heads
 
 
 def fuse_shards(shards: list[Blocks]) -> Blocks:

@@ -1,0 +1,73 @@
+"""Every architecture matches HF transformers on a tiny random model (HF folder, and GGUF where the format defines
+the architecture): prefill logits within 1e-3 in float32, and greedy tokens up to HF's first near-tie, alone and
+in a batch that is chunked and preempted."""
+import random
+
+import pytest
+import torch
+
+from conftest import assert_all_blocks_free, is_near_tie, prefill_logits
+from inferno import LLM, SamplingParams
+from inferno.worker.model_runner import kv_bytes_per_block
+from tiny_models import write_gguf, write_hf_model
+
+LOGIT_TOLERANCE = 1e-3
+GREEDY_LOGIT_TOLERANCE = 0.01  # HF's cached decode sums in another order
+MAX_TOKENS = 8
+
+
+def prompts(lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, ids: list[int]) -> tuple[list[int], list[float]]:
+    out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
+                            return_dict_in_generate=True, pad_token_id=0)
+    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return out.sequences[0, len(ids):].tolist(), gaps
+
+
+def assert_matches_hf(hf_model, llm: LLM, long_prompt: list[int], batch: list[list[int]]) -> None:
+    """Prefill logits of `long_prompt`; greedy tokens of `batch`, alone and together through a small cache with
+    small chunks (preempting)."""
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([long_prompt])).logits[0]
+    ours = prefill_logits(llm.llm_engine, long_prompt)
+    assert (ours - ref).abs().max().item() < LOGIT_TOLERANCE
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    refs = [hf_greedy(hf_model, ids) for ids in batch]
+    alone = [llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids for ids in batch]
+    engine = llm.llm_engine
+    block_bytes = kv_bytes_per_block(engine.model_config, 16, torch.float32)
+    longest = max(len(ids) for ids in batch) + MAX_TOKENS
+    cramped = LLM(engine.model_path, dtype="float32", quantization=None, max_num_batched_tokens=32,
+                  kv_cache_memory=(longest // 16 + 2) * block_bytes)
+    together = [out.outputs[0].token_ids for out in cramped.generate(
+        [{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)]
+    assert cramped.llm_engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(cramped.llm_engine)
+    compared = 0
+    for (ref_tokens, gaps), a, t in zip(refs, alone, together):
+        clear = next((i for i, gap in enumerate(gaps) if is_near_tie(gap, GREEDY_LOGIT_TOLERANCE)), len(gaps))
+        assert a[:clear] == ref_tokens[:clear] and t[:clear] == ref_tokens[:clear], (a, t, ref_tokens)
+        compared += clear
+    assert compared >= MAX_TOKENS, "HF's near-ties leave too few tokens to compare; pick other prompts"
+
+
+def tiny_llm(path) -> LLM:
+    return LLM(model=str(path), dtype="float32", quantization=None, kv_cache_memory=8 << 20)
+
+
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_hf_folder_matches_hf(tmp_path, arch):
+    hf_model = write_hf_model(tmp_path, arch)
+    assert_matches_hf(hf_model, tiny_llm(tmp_path), prompts([200])[0], prompts([5, 40, 70, 23]))
+
+
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_gguf_matches_hf(tmp_path, arch):
+    hf_model = write_hf_model(tmp_path, arch)
+    path = write_gguf(tmp_path / "model.gguf", hf_model, arch)
+    assert_matches_hf(hf_model, tiny_llm(path), prompts([200])[0], prompts([5, 40, 70, 23]))
