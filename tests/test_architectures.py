@@ -23,8 +23,9 @@ def prompts(lengths: list[int]) -> list[list[int]]:
 
 @torch.inference_mode()
 def hf_greedy(hf_model, ids: list[int]) -> tuple[list[int], list[float]]:
-    out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
-                            return_dict_in_generate=True, pad_token_id=0)
+    input_ids = torch.tensor([ids])  # an explicit mask: HF would mask out prompt tokens equal to pad_token_id
+    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_TOKENS,
+                            do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
     gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
     return out.sequences[0, len(ids):].tolist(), gaps
 
@@ -71,3 +72,35 @@ def test_gguf_matches_hf(tmp_path, arch):
     hf_model = write_hf_model(tmp_path, arch)
     path = write_gguf(tmp_path / "model.gguf", hf_model, arch)
     assert_matches_hf(hf_model, tiny_llm(path), prompts([200])[0], prompts([5, 40, 70, 23]))
+
+
+# head size 16: decodes in the native kernel; 24: on the PyTorch path
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_sliding_window_prompt_of_several_windows_matches_hf(tmp_path, head_dim):
+    hf_model = write_hf_model(tmp_path, "mistral", head_dim=head_dim)
+    llm = tiny_llm(tmp_path)
+    assert llm.llm_engine.model_runner.use_kernels == (head_dim == 16)
+    assert_matches_hf(hf_model, llm, prompts([200])[0], prompts([5, 40, 70, 23]))
+
+
+def test_sliding_window_frees_blocks_behind_the_window(tmp_path):
+    """A 300-token sequence of a window-32 model holds about the window's blocks, whatever its length; the
+    prefix cache still serves its blocks."""
+    write_hf_model(tmp_path, "mistral")
+    llm = LLM(model=str(tmp_path), dtype="float32", quantization=None, kv_cache_memory=8 << 20,
+              max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    prompt = prompts([200])[0]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    engine.add_request("long", {"prompt_token_ids": prompt}, params)
+    most_held = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        (request,) = engine.scheduler.running or [None]
+        if request is not None:
+            most_held = max(most_held, len(request.block_ids) - request.num_dropped_blocks)
+    assert most_held <= (32 + 32) // 16 + 2  # the window and one chunk of new tokens, each maybe straddling a block
+    assert_all_blocks_free(engine)
+    first = outputs[0].outputs[0].token_ids
+    again = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.kv_cache_manager.prefix_cache_hits > 0 and again == first

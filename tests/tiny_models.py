@@ -13,10 +13,12 @@ from tiny_gguf import byte_level_tokens
 
 VOCAB = len(byte_level_tokens())  # 256 byte tokens and 2 control tokens; prompts are token ids below 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=VOCAB - 1)
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=VOCAB - 1,
+              initializer_range=0.1)  # logits spread wide enough for clear greedy choices
 # architecture -> (config class, model class, config overrides)
 ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32, tie_word_embeddings=False)),
 }
 
 
