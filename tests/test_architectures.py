@@ -57,19 +57,39 @@ def assert_matches_hf(hf_model, llm: LLM, long_prompt: list[int], batch: list[li
     assert compared >= MAX_TOKENS, "HF's near-ties leave too few tokens to compare; pick other prompts"
 
 
+# what llama.cpp assumes where the GGUF metadata says nothing: Gemma's query scalar is the head size, and Gemma 3
+# has one global layer in six
+GGUF_CONVENTIONS = {"gemma2": dict(query_pre_attn_scalar=16),
+                    "gemma3": dict(query_pre_attn_scalar=16, layer_types=["sliding_attention"] * 2)}
+
+
 def tiny_llm(path) -> LLM:
     return LLM(model=str(path), dtype="float32", quantization=None, kv_cache_memory=8 << 20)
 
 
-@pytest.mark.parametrize("arch", ["qwen3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
 def test_hf_folder_matches_hf(tmp_path, arch):
     hf_model = write_hf_model(tmp_path, arch)
     assert_matches_hf(hf_model, tiny_llm(tmp_path), prompts([200])[0], prompts([5, 40, 70, 23]))
 
 
-@pytest.mark.parametrize("arch", ["qwen3"])
+def test_phi3_fused_checkpoint_and_longrope_match_hf(tmp_path):
+    """Fused qkv_proj and gate_up_proj; LongRoPE with the long factors on sequences beyond the original 64
+    positions (HF's choice for them too), and the short ones for a model whose context is the original's."""
+    hf_model = write_hf_model(tmp_path / "long", "phi3")
+    assert_matches_hf(hf_model, tiny_llm(tmp_path / "long"), prompts([200])[0], prompts([65, 80, 100, 70]))
+    path = write_gguf(tmp_path / "long" / "model.gguf", hf_model, "phi3")
+    assert_matches_hf(hf_model, tiny_llm(path), prompts([200])[0], prompts([65, 80, 100, 70]))
+    hf_model = write_hf_model(tmp_path / "short", "phi3", max_position_embeddings=64)
+    ids = prompts([60])[0]
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    assert (prefill_logits(tiny_llm(tmp_path / "short").llm_engine, ids) - ref).abs().max().item() < LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
 def test_gguf_matches_hf(tmp_path, arch):
-    hf_model = write_hf_model(tmp_path, arch)
+    hf_model = write_hf_model(tmp_path, arch, **GGUF_CONVENTIONS.get(arch, {}))
     path = write_gguf(tmp_path / "model.gguf", hf_model, arch)
     assert_matches_hf(hf_model, tiny_llm(path), prompts([200])[0], prompts([5, 40, 70, 23]))
 

@@ -19,6 +19,20 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32, tie_word_embeddings=False)),
+    # Gemma: a sliding layer then a global one, window 32; caps low enough to bite; scalar unlike the head size
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, sliding_window=32, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=32, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+        pad_token_id=0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, tie_word_embeddings=False, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                         "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
 }
 
 
@@ -53,14 +67,20 @@ GGUF_LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
 }
 
 
-def gguf_name(hf_name: str) -> str:
+GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                     "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf_name: str, arch: str) -> str:
     if hf_name.startswith("model.layers."):
         layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
+        names = {**GGUF_LAYER_NAMES, **GEMMA_LAYER_NAMES} if arch.startswith("gemma") else GGUF_LAYER_NAMES
+        return f"blk.{layer}.{names[module]}.{kind}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf_name]
 
@@ -75,10 +95,24 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str) -> Path:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     tokens = byte_level_tokens()
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
@@ -90,7 +124,9 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str) -> Path:
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        writer.add_tensor(gguf_name(name), tensor.float().numpy())
+        if arch.startswith("gemma") and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w)
+            tensor = tensor + 1
+        writer.add_tensor(gguf_name(name, arch), tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

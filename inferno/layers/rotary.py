@@ -44,11 +44,12 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_position, dtype=torch.float32, device="cpu")
         scaling = self.scaling
         if scaling is not None and scaling.rope_type == "longrope":
-            # LongRoPE: per-frequency divisors, the short ones within the original context, the long ones beyond
-            # (HF picks one set per forward pass from its longest sequence; here each position has its own)
-            short = torch.outer(t, self.inv_freq / torch.tensor(scaling.short_factor))
-            long = torch.outer(t, self.inv_freq / torch.tensor(scaling.long_factor))
-            freqs = torch.where(t.unsqueeze(1) < scaling.original_max_position_embeddings, short, long)
+            # LongRoPE: per-frequency divisors, the long ones when the context goes beyond the original (llama.cpp's
+            # choice, one for the whole model: HF switches per forward pass by its longest sequence, which leaves a
+            # cache of keys rotated one way and queries the other once a sequence crosses the original length)
+            long = self.max_position > scaling.original_max_position_embeddings
+            factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, device="cpu")
+            freqs = torch.outer(t, self.inv_freq / factors)
             cos_sin = torch.stack([freqs.cos(), freqs.sin()], dim=-1) * scaling.attention_factor
         else:
             freqs = torch.outer(t, self.inv_freq)

@@ -135,7 +135,7 @@ def load_weights(model: LlamaForCausalLM,
 
     loaded = set()
     codes: dict[str, dict[int, tuple[str, Blocks]]] = {}  # fused parameter -> shard -> (name, codes)
-    for name, w in weights:
+    for name, w in split_fused(rename_checkpoint_tensors(weights), config):
         if name == "rope_freqs":
             model.rotary.set_freq_factors(w)
             continue
@@ -184,6 +184,36 @@ def load_weights(model: LlamaForCausalLM,
             for shard, (checkpoint_name, w) in shards.items():
                 copy_weight(checkpoint_name, name, w.dequantize(), shard)
     return prequantized
+
+
+# Mixtral's names for its experts' MLPs and their projections
+MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+def rename_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor | Blocks]]
+                              ) -> Iterable[tuple[str, torch.Tensor | Blocks]]:
+    for name, w in weights:
+        if "block_sparse_moe." in name:
+            for old, new in MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
+        yield name, w
+
+
+def split_fused(weights: Iterable[tuple[str, torch.Tensor | Blocks]], config: ModelConfig
+                ) -> Iterable[tuple[str, torch.Tensor | Blocks]]:
+    """Phi-3's fused qkv_proj and gate_up_proj, split into the projections the other checkpoints hold (so each
+    gets its rank's slice and its rotary order like theirs)."""
+    q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for name, w in weights:
+        if name.endswith("qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            yield from ((f"{prefix}{proj}.weight", part) for proj, part in zip(
+                ("q_proj", "k_proj", "v_proj"), w.split([q_rows, kv_rows, kv_rows])))
+        elif name.endswith("gate_up_proj.weight"):
+            prefix = name.removesuffix("gate_up_proj.weight")
+            yield from ((f"{prefix}{proj}.weight", part) for proj, part in zip(("gate_proj", "up_proj"), w.chunk(2)))
+        else:
+            yield name, w
 
 
 def model_heads(config: ModelConfig, proj: str) -> int:
