@@ -9,7 +9,7 @@ import torch
 from conftest import assert_all_blocks_free, is_near_tie, prefill_logits
 from inferno import LLM, SamplingParams
 from inferno.worker.model_runner import kv_bytes_per_block
-from tiny_models import write_gguf, write_hf_model
+from tiny_models import MOE_ARCHITECTURES, write_gguf, write_hf_model
 
 LOGIT_TOLERANCE = 1e-3
 GREEDY_LOGIT_TOLERANCE = 0.01  # HF's cached decode sums in another order
@@ -67,7 +67,7 @@ def tiny_llm(path) -> LLM:
     return LLM(model=str(path), dtype="float32", quantization=None, kv_cache_memory=8 << 20)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_hf_folder_matches_hf(tmp_path, arch):
     hf_model = write_hf_model(tmp_path, arch)
     assert_matches_hf(hf_model, tiny_llm(tmp_path), prompts([200])[0], prompts([5, 40, 70, 23]))
@@ -87,10 +87,10 @@ def test_phi3_fused_checkpoint_and_longrope_match_hf(tmp_path):
     assert (prefill_logits(tiny_llm(tmp_path / "short").llm_engine, ids) - ref).abs().max().item() < LOGIT_TOLERANCE
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_gguf_matches_hf(tmp_path, arch):
     hf_model = write_hf_model(tmp_path, arch, **GGUF_CONVENTIONS.get(arch, {}))
-    path = write_gguf(tmp_path / "model.gguf", hf_model, arch)
+    path = write_gguf(tmp_path / "model.gguf", hf_model, MOE_ARCHITECTURES.get(arch, arch))
     assert_matches_hf(hf_model, tiny_llm(path), prompts([200])[0], prompts([5, 40, 70, 23]))
 
 

@@ -28,6 +28,18 @@ ARCHITECTURES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
         pad_token_id=0)),
+    # experts: 8 of inner size 32, 2 per token; qwen3_moe's second layer dense (mlp_only_layers)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False,
+        sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1], tie_word_embeddings=False)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, intermediate_size=32, pad_token_id=0, tie_word_embeddings=False)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
         pad_token_id=0, tie_word_embeddings=False, original_max_position_embeddings=64,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
@@ -68,7 +80,39 @@ GGUF_LAYER_NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",  # mixture of experts
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+MOE_ARCHITECTURES = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+
+
+def llama_cpp_rotary_order(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's `llama` files hold q/k rows in interleaved rotary order."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(hf_model: torch.nn.Module, arch: str):
+    """(GGUF name, float32 array) for each weight: stacked experts split into gate / up / down."""
+    config = hf_model.config
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("experts.gate_up_proj"):  # [experts, 2 * inner, hidden]
+            layer = name.split(".")[2]
+            gate, up = tensor.chunk(2, dim=1)
+            yield f"blk.{layer}.ffn_gate_exps.weight", gate.float().numpy()
+            yield f"blk.{layer}.ffn_up_exps.weight", up.float().numpy()
+            continue
+        if name.endswith("experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", tensor.float().numpy()
+            continue
+        if arch.startswith("gemma") and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w)
+            tensor = tensor + 1
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = llama_cpp_rotary_order(tensor, heads)
+        yield gguf_name(name, arch), tensor.float().numpy()
 
 
 GEMMA_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -121,12 +165,15 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str) -> Path:
     writer.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * 2)
     writer.add_token_merges([])
     writer.add_eos_token_id(len(tokens) - 1)
-    for name, tensor in hf_model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if arch.startswith("gemma") and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w)
-            tensor = tensor + 1
-        writer.add_tensor(gguf_name(name, arch), tensor.float().numpy())
+    if hasattr(config, "num_experts_per_tok"):
+        writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if hasattr(config, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    for name, array in gguf_tensors(hf_model, arch):
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

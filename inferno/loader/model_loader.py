@@ -201,14 +201,22 @@ def rename_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor | Blocks
 
 def split_fused(weights: Iterable[tuple[str, torch.Tensor | Blocks]], config: ModelConfig
                 ) -> Iterable[tuple[str, torch.Tensor | Blocks]]:
-    """Phi-3's fused qkv_proj and gate_up_proj, split into the projections the other checkpoints hold (so each
-    gets its rank's slice and its rotary order like theirs)."""
+    """Phi-3's fused qkv_proj and gate_up_proj, and experts stacked in one tensor (transformers 5's format), split
+    into the projections the other checkpoints hold (so each gets its rank's slice and rotary order like theirs)."""
     q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     for name, w in weights:
         if name.endswith("qkv_proj.weight"):
             prefix = name.removesuffix("qkv_proj.weight")
             yield from ((f"{prefix}{proj}.weight", part) for proj, part in zip(
                 ("q_proj", "k_proj", "v_proj"), w.split([q_rows, kv_rows, kv_rows])))
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # experts stacked in one tensor
+            prefix, _, kind = name.rpartition(".")
+            for e, expert in enumerate(w):
+                if kind == "down_proj":
+                    yield f"{prefix}.{e}.down_proj.weight", expert
+                else:
+                    yield from ((f"{prefix}.{e}.{proj}.weight", part)
+                                for proj, part in zip(("gate_proj", "up_proj"), expert.chunk(2)))
         elif name.endswith("gate_up_proj.weight"):
             prefix = name.removesuffix("gate_up_proj.weight")
             yield from ((f"{prefix}{proj}.weight", part) for proj, part in zip(("gate_proj", "up_proj"), w.chunk(2)))

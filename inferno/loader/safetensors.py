@@ -25,6 +25,8 @@ def read_config(folder: Path) -> ModelConfig:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported (only 1.0)")
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv {cfg['clip_qkv']} is not supported")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     local_rope = None
     if "full_attention" in rope:  # Gemma 3: one rope per layer type
@@ -93,17 +95,18 @@ def rope_scaling(rope: dict, cfg: dict, head_dim: int) -> RopeScaling | None:
 
 
 def moe_config(model_type: str, cfg: dict) -> MoEConfig | None:
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if model_type == "mixtral":
-        return MoEConfig(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+        return MoEConfig(num_experts, cfg["num_experts_per_tok"], cfg["intermediate_size"],
                          norm_topk_prob=True)
     if model_type == "olmoe":
-        return MoEConfig(cfg["num_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+        return MoEConfig(num_experts, cfg["num_experts_per_tok"], cfg["intermediate_size"],
                          norm_topk_prob=cfg.get("norm_topk_prob", False))
     if model_type in ("qwen2_moe", "qwen3_moe"):
         step = cfg.get("decoder_sparse_step", 1)
         dense = [i for i in range(cfg["num_hidden_layers"])
                  if i in cfg.get("mlp_only_layers", []) or step < 1 or (i + 1) % step != 0]
-        return MoEConfig(cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+        return MoEConfig(num_experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
                          norm_topk_prob=cfg.get("norm_topk_prob", False),
                          shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
                          dense_layers=dense)

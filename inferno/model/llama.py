@@ -9,6 +9,7 @@ from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.layers.attention import Attention, AttentionMetadata
 from inferno.layers.mlp import MLP
+from inferno.layers.moe import SparseMoE
 from inferno.layers.norm import RMSNorm
 from inferno.layers.parallel_linear import QKVParallelLinear, RowParallelLinear
 from inferno.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -65,7 +66,9 @@ class DecoderLayer(nn.Module):
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, parallel)
+        moe = config.moe
+        self.mlp = (SparseMoE(config, parallel) if moe is not None and layer not in moe.dense_layers
+                    else MLP(config.hidden_size, config.intermediate_size, config.hidden_act, parallel))
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), rotations, meta)

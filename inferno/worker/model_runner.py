@@ -64,7 +64,9 @@ class ModelRunner:
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
         self.compiled_decode = None
-        compile_decode = not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1
+        # (not MoE models: routing is data-dependent control flow, each step would break the graph)
+        compile_decode = (not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1
+                          and self.config.moe is None)
         # one block beyond the pool when compiling: the warm-up's scratch, which no request can hold
         self.scratch_block = num_blocks if compile_decode else None
         self.num_cache_blocks = num_blocks + compile_decode
