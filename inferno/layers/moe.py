@@ -54,18 +54,21 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        # (token, choice) pairs grouped by expert
+        # (token, choice) pairs grouped by expert; each expert's weighted outputs land in its pairs' rows
         order = experts.flatten().argsort(stable=True)
         counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
         tokens = order // self.top_k
         pair_weights = weights.flatten()[order].to(x.dtype).unsqueeze(1)
-        out = torch.zeros_like(x)
+        grouped = x.new_empty(len(order), x.shape[1])
         start = 0
         for expert, count in enumerate(counts):
             if count:
-                rows = tokens[start:start + count]
-                out.index_add_(0, rows, self.experts[expert](x[rows]) * pair_weights[start:start + count])
-                start += count
+                end = start + count
+                grouped[start:end] = self.experts[expert](x[tokens[start:end]]) * pair_weights[start:end]
+                start = end
+        pairs = torch.empty_like(grouped)
+        pairs[order] = grouped  # back to (token, choice) order
+        out = pairs.view(x.shape[0], self.top_k, -1).sum(dim=1)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.parallel.tp_size == 1 else self.parallel.all_reduce(out)
