@@ -51,7 +51,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
-    qk_norm: str | None = None  # RMSNorm before rotary: "head" over each q and k head (qwen3, gemma3), "full" over all (olmoe)
+    # RMSNorm of q and k before rotary: "head" over each head (qwen3, gemma3), "full" over all heads (olmoe)
+    qk_norm: str | None = None
     sliding_window: int | None = None  # keys within this many positions of the query (HF: q - k < window)
     # per layer, whether its attention is limited to `sliding_window`; None: every layer (when there is a window)
     sliding_layers: list[bool] | None = None
