@@ -49,7 +49,8 @@ def test_decode_attention_matches_dense(path, dtype, tol, lens):
     assert (out.float() - dense_reference(attn, q, tables, seq_lens)).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("head_dim", [128, 80, 32])  # compiled for 64 and 128, a loop over 16-wide chunks else
+# tiles of whole register rows (4 x 8 floats with AVX2, 8 x 16 with AVX-512), then single vectors for the rest
+@pytest.mark.parametrize("head_dim", [256, 128, 96, 80, 32, 16])
 def test_decode_kernel_head_dims(head_dim):
     if paged_attention() is None:
         pytest.skip("no C++ compiler: the native kernel is not built")

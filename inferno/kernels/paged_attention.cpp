@@ -6,10 +6,10 @@
 // request still keeps every thread busy (flash-decoding). Each split keeps its own max, softmax denominator and
 // unnormalised output; the splits are merged at the end, rescaled to the common max.
 //
-// Within a split everything is 16 lanes wide (one AVX-512 register; GCC vector extensions, so other targets get
-// the same code in narrower registers): each K/V row is converted to float once for all query heads of its group,
-// the scores of 16 keys are finished together by a transposing reduction tree instead of one horizontal sum per
-// key, and exp is a vector polynomial.
+// Within a split everything is one register wide (GCC vector extensions of the machine's width: 16 floats with
+// AVX-512, 8 with AVX2 — a vector wider than the registers compiles into stack traffic): each K/V row comes from
+// memory once for all query heads of its group (from L1 for the others), the scores of LANES keys are finished
+// together by a transposing reduction tree instead of one horizontal sum per key, and exp is a vector polynomial.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,45 +24,46 @@
 
 namespace {
 
+#if defined(__AVX512F__)
 constexpr int64_t LANES = 16;
-constexpr int64_t kMaxHeadChunks = 16;    // head_dim up to 256
+#else
+constexpr int64_t LANES = 8;
+#endif
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kAccumulators = LANES == 16 ? 16 : 8;  // vector sums weigh_values keeps in registers
 constexpr int64_t kMinSplitTokens = 128;  // below this, a split's fixed cost outweighs the parallelism it adds
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-typedef float floatx16 __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t intx16 __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint32_t uintx16 __attribute__((vector_size(LANES * sizeof(uint32_t))));
-typedef uint16_t ushortx16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef float floatv __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t intv __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t uintv __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t ushortv __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
-inline floatx16 load16(const float* p) {
-  floatx16 v;
+inline floatv load(const float* p) {
+  floatv v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline floatx16 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  ushortx16 h;
+inline floatv load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  ushortv h;
   std::memcpy(&h, p, sizeof(h));
-  return (floatx16)(__builtin_convertvector(h, uintx16) << 16);
+  return (floatv)(__builtin_convertvector(h, uintv) << 16);
 }
 
-inline floatx16 load16(const c10::Half* p) {
+inline floatv load(const c10::Half* p) {
 #if defined(__AVX512F__)
-  return (floatx16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (floatv)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__F16C__)
-  const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-  floatx16 v;
-  std::memcpy(&v, halves, sizeof(v));
-  return v;
+  return (floatv)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  floatx16 v;
+  floatv v;
   for (int64_t i = 0; i < LANES; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 #endif
 }
 
-inline void store16(float* p, floatx16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Cache rows are scattered over the pool block by block: fetch the next keys (and each key's value) ahead.
 template <typename T>
@@ -71,89 +72,120 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
     __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
 }
 
-inline floatx16 splat(float x) { return floatx16{} + x; }
+inline floatv splat(float x) { return floatv{} + x; }
 
-inline float max_lanes(floatx16 v) {
+inline float max_lanes(floatv v) {
   float m = v[0];
   for (int64_t i = 1; i < LANES; ++i) m = std::max(m, v[i]);
   return m;
 }
 
-inline float sum_lanes(floatx16 v) {
+inline float sum_lanes(floatv v) {
   float s = 0.f;
   for (int64_t i = 0; i < LANES; ++i) s += v[i];
   return s;
 }
 
 // exp(x) for x <= 0 (scores minus their max), relative error ~1e-7; 0 below -87 (and for -inf, masked keys).
-inline floatx16 exp16(floatx16 x) {
-  const intx16 live = x > -87.f;
+inline floatv exp_lanes(floatv x) {
+  const intv live = x > -87.f;
   x = x < -87.f ? splat(-87.f) : x;
-  const floatx16 shifted = x * 1.44269504f + 12582912.f;  // 1.5 * 2^23: rounds x / ln 2 to an integer n
-  const floatx16 n = shifted - 12582912.f;
-  const floatx16 r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 split in two for an exact reduction
-  floatx16 p = splat(1.f / 720) * r + 1.f / 120;
+  const floatv shifted = x * 1.44269504f + 12582912.f;  // 1.5 * 2^23: rounds x / ln 2 to an integer n
+  const floatv n = shifted - 12582912.f;
+  const floatv r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 split in two for an exact reduction
+  floatv p = splat(1.f / 720) * r + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const intx16 two_n = ((intx16)shifted - 0x4B400000 + 127) << 23;  // 2^n built in the exponent bits
-  return (floatx16)((intx16)(p * (floatx16)two_n) & live);
+  const intv two_n = ((intv)shifted - 0x4B400000 + 127) << 23;  // 2^n built in the exponent bits
+  return (floatv)((intv)(p * (floatv)two_n) & intv(live));
 }
 
-// s[j] = sum of the lanes of v[j], for 16 vectors: pairs are folded in halves, quarters, eighths, lanes, so that
-// every add serves all 16 sums at once (15 adds and 30 shuffles instead of 16 horizontal sums).
-inline floatx16 sum_lanes_of_16(const floatx16* v) {
-  floatx16 halves[8], quarters[4], eighths[2];
+// s[j] = sum of the lanes of v[j], for LANES vectors: pairs are folded in halves, quarters, ..., so that every add
+// serves all the sums at once (LANES - 1 adds instead of LANES horizontal sums).
+#if defined(__AVX512F__)
+inline floatv sum_lanes_of_all(const floatv* v) {
+  floatv halves[8], quarters[4], eighths[2];
   for (int i = 0; i < 8; ++i)  // [v_2i halves summed, v_2i+1 halves summed]
-    halves[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], intx16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-                __builtin_shuffle(v[2 * i], v[2 * i + 1], intx16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    halves[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], intv{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+                __builtin_shuffle(v[2 * i], v[2 * i + 1], intv{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
   for (int i = 0; i < 4; ++i)  // four sums of 4 partials each, in order
-    quarters[i] = __builtin_shuffle(halves[2 * i], halves[2 * i + 1], intx16{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
-                  __builtin_shuffle(halves[2 * i], halves[2 * i + 1], intx16{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    quarters[i] = __builtin_shuffle(halves[2 * i], halves[2 * i + 1], intv{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+                  __builtin_shuffle(halves[2 * i], halves[2 * i + 1], intv{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
   for (int i = 0; i < 2; ++i)  // eight sums of 2 partials each
-    eighths[i] = __builtin_shuffle(quarters[2 * i], quarters[2 * i + 1], intx16{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
-                 __builtin_shuffle(quarters[2 * i], quarters[2 * i + 1], intx16{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-  return __builtin_shuffle(eighths[0], eighths[1], intx16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
-         __builtin_shuffle(eighths[0], eighths[1], intx16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+    eighths[i] = __builtin_shuffle(quarters[2 * i], quarters[2 * i + 1], intv{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+                 __builtin_shuffle(quarters[2 * i], quarters[2 * i + 1], intv{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  return __builtin_shuffle(eighths[0], eighths[1], intv{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(eighths[0], eighths[1], intv{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
+#else
+inline floatv sum_lanes_of_all(const floatv* v) {
+  floatv halves[4], quarters[2];
+  for (int i = 0; i < 4; ++i)  // [v_2i halves summed, v_2i+1 halves summed]
+    halves[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], intv{0, 1, 2, 3, 8, 9, 10, 11}) +
+                __builtin_shuffle(v[2 * i], v[2 * i + 1], intv{4, 5, 6, 7, 12, 13, 14, 15});
+  for (int i = 0; i < 2; ++i)  // four sums of 2 partials each, in order
+    quarters[i] = __builtin_shuffle(halves[2 * i], halves[2 * i + 1], intv{0, 1, 4, 5, 8, 9, 12, 13}) +
+                  __builtin_shuffle(halves[2 * i], halves[2 * i + 1], intv{2, 3, 6, 7, 10, 11, 14, 15});
+  return __builtin_shuffle(quarters[0], quarters[1], intv{0, 2, 4, 6, 8, 10, 12, 14}) +
+         __builtin_shuffle(quarters[0], quarters[1], intv{1, 3, 5, 7, 9, 11, 13, 15});
+}
+#endif
 
 struct Partial {  // one split of one (sequence, kv head): per query head of the group
   std::vector<float> max, denom, acc;  // [group], [group], [group * head_dim]
 };
 
 struct Scratch {  // per thread, reused across work items
-  std::vector<floatx16> dots;  // [group * 16]: one vector of partial sums per (query head, key) of a tile
+  std::vector<floatv> dots;    // [group * LANES]: one vector of partial sums per (query head, key) of a tile
   std::vector<float> scores;   // [group * padded split length]
   std::vector<int64_t> rows;   // the cache offset of every key of the split (the same in K and V)
 };
 
-// acc[h] = sum_t scores[h, t] v_t for HEADS query heads, the sums held in registers (HEADS * CHUNKS <= 16)
+// acc[h, c0:c0+CHUNKS] = sum_t scores[h, t] v_t[c0:c0+CHUNKS] for HEADS query heads, in registers
 template <typename T, int64_t CHUNKS, int64_t HEADS>
 void weigh_values(const T* v_cache, const int64_t* rows, int64_t len, const float* scores, int64_t padded,
-                  float* acc) {
-  floatx16 sum[HEADS][CHUNKS] = {};
+                  float* acc, int64_t head_dim, int64_t c0) {
+  floatv sum[HEADS][CHUNKS] = {};
   for (int64_t t = 0; t < len; ++t) {
-    const T* v_row = v_cache + rows[t];
-    floatx16 v[CHUNKS];
-    for (int64_t c = 0; c < CHUNKS; ++c) v[c] = load16(v_row + c * LANES);
-    for (int64_t h = 0; h < HEADS; ++h) {
-      const float p = scores[h * padded + t];
-      for (int64_t c = 0; c < CHUNKS; ++c) sum[h][c] += p * v[c];
+    const T* v_row = v_cache + rows[t] + c0 * LANES;
+    floatv p[HEADS];
+    for (int64_t h = 0; h < HEADS; ++h) p[h] = splat(scores[h * padded + t]);
+    for (int64_t c = 0; c < CHUNKS; ++c) {
+      const floatv v = load(v_row + c * LANES);
+      for (int64_t h = 0; h < HEADS; ++h) sum[h][c] += p[h] * v;
     }
   }
   for (int64_t h = 0; h < HEADS; ++h)
-    for (int64_t c = 0; c < CHUNKS; ++c) store16(acc + (h * CHUNKS + c) * LANES, sum[h][c]);
+    for (int64_t c = 0; c < CHUNKS; ++c) store(acc + h * head_dim + (c0 + c) * LANES, sum[h][c]);
 }
 
-// CHUNKS: head_dim / 16 when known at compile time (the common 64 and 128), else 0
-template <typename T, int64_t CHUNKS>
+// acc_g = sum_t p[g, t] v_t for every query head of the group: tiles of 2 heads x kAccumulators / 2 vectors of
+// the row (1 head for an odd last one), then single vectors for a row that is not a whole number of tiles
+template <typename T>
+void weigh_all_values(const T* v_cache, const int64_t* rows, int64_t len, const float* scores, int64_t padded,
+                      float* acc, int64_t group, int64_t head_dim) {
+  constexpr int64_t tile = kAccumulators / 2;
+  const int64_t chunks = head_dim / LANES, whole = chunks / tile * tile;
+  for (int64_t g = 0; g < group; g += 2) {
+    const bool pair = g + 1 < group;
+    const float* s = scores + g * padded;
+    float* a = acc + g * head_dim;
+    for (int64_t c = 0; c < whole; c += tile)
+      (pair ? weigh_values<T, tile, 2> : weigh_values<T, tile, 1>)(v_cache, rows, len, s, padded, a, head_dim, c);
+    for (int64_t c = whole; c < chunks; ++c)
+      (pair ? weigh_values<T, 1, 2> : weigh_values<T, 1, 1>)(v_cache, rows, len, s, padded, a, head_dim, c);
+  }
+}
+
+template <typename T>
 void attend_split(const float* query, const T* k_cache, const T* v_cache, const int64_t* table, int64_t h,
                   int64_t begin, int64_t end, int64_t group, int64_t num_blocks, int64_t block_size,
                   int64_t head_dim, Scratch& scratch, Partial& out) {
   const int64_t len = end - begin, padded = (len + LANES - 1) / LANES * LANES;
-  const int64_t chunks = CHUNKS > 0 ? CHUNKS : head_dim / LANES;
+  const int64_t chunks = head_dim / LANES;
   scratch.rows.resize(len);
   for (int64_t t = begin; t < end;) {  // one division per block, not per key
     const int64_t block = t / block_size, stop = std::min(end, (block + 1) * block_size);
@@ -164,30 +196,33 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
   scratch.scores.resize(group * padded);
   float* scores = scratch.scores.data();
 
-  // scores[g, t] = q_g . k_t, 16 keys at a time
+  // scores[g, t] = q_g . k_t, LANES keys at a time; the key row stays in L1 while every head of the group reads it
   for (int64_t tile = 0; tile < padded; tile += LANES) {
     const int64_t keys = std::min(LANES, len - tile);
     for (int64_t j = 0; j < LANES; ++j) {
       if (j >= keys) {
-        for (int64_t g = 0; g < group; ++g) scratch.dots[g * LANES + j] = floatx16{};
+        for (int64_t g = 0; g < group; ++g) scratch.dots[g * LANES + j] = floatv{};
         continue;
       }
       const T* k_row = k_cache + scratch.rows[tile + j];
       prefetch_row(v_cache + scratch.rows[tile + j], head_dim);  // for the weighted sum below
       if (tile + LANES + j < len) prefetch_row(k_cache + scratch.rows[tile + LANES + j], head_dim);
-      floatx16 k[kMaxHeadChunks];
-      for (int64_t c = 0; c < chunks; ++c) k[c] = load16(k_row + c * LANES);
       for (int64_t g = 0; g < group; ++g) {
-        floatx16 dot{};
-        for (int64_t c = 0; c < chunks; ++c)
-          dot += load16(query + (g * chunks + c) * LANES) * k[c];
-        scratch.dots[g * LANES + j] = dot;
+        const float* q = query + g * head_dim;
+        floatv dot0{}, dot1{};  // two chains, so that one FMA does not wait on the last
+        int64_t c = 0;
+        for (; c + 1 < chunks; c += 2) {
+          dot0 += load(q + c * LANES) * load(k_row + c * LANES);
+          dot1 += load(q + (c + 1) * LANES) * load(k_row + (c + 1) * LANES);
+        }
+        if (c < chunks) dot0 += load(q + c * LANES) * load(k_row + c * LANES);
+        scratch.dots[g * LANES + j] = dot0 + dot1;
       }
     }
     for (int64_t g = 0; g < group; ++g) {
-      floatx16 s = sum_lanes_of_16(scratch.dots.data() + g * LANES);
+      floatv s = sum_lanes_of_all(scratch.dots.data() + g * LANES);
       for (int64_t j = keys; j < LANES; ++j) s[j] = kNegInf;
-      store16(scores + g * padded + tile, s);
+      store(scores + g * padded + tile, s);
     }
   }
 
@@ -197,44 +232,22 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
   out.acc.assign(group * head_dim, 0.f);
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * padded;
-    floatx16 m = splat(kNegInf);
+    floatv m = splat(kNegInf);
     for (int64_t i = 0; i < padded; i += LANES) {
-      const floatx16 v = load16(s + i);
+      const floatv v = load(s + i);
       m = v > m ? v : m;
     }
     const float max = max_lanes(m);
-    floatx16 sum{};
+    floatv sum{};
     for (int64_t i = 0; i < padded; i += LANES) {
-      const floatx16 p = exp16(load16(s + i) - max);
-      store16(s + i, p);
+      const floatv p = exp_lanes(load(s + i) - max);
+      store(s + i, p);
       sum += p;
     }
     out.max[g] = max;
     out.denom[g] = sum_lanes(sum);
   }
-
-  // acc_g = sum_t p[g, t] v_t
-  float* acc = out.acc.data();
-  if constexpr (CHUNKS > 0) {  // query heads in tiles whose sums fit in registers; each V row converted per tile
-    constexpr int64_t tile = 16 / CHUNKS;
-    for (int64_t g0 = 0; g0 < group; g0 += tile) {
-      const int64_t heads = std::min(tile, group - g0);
-      const auto weigh = heads == tile ? weigh_values<T, CHUNKS, tile> : heads == 3 ? weigh_values<T, CHUNKS, 3>
-                       : heads == 2 ? weigh_values<T, CHUNKS, 2> : weigh_values<T, CHUNKS, 1>;
-      weigh(v_cache, scratch.rows.data(), len, scores + g0 * padded, padded, acc + g0 * head_dim);
-    }
-    return;
-  }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v_row = v_cache + scratch.rows[t];
-    floatx16 v[kMaxHeadChunks];
-    for (int64_t c = 0; c < chunks; ++c) v[c] = load16(v_row + c * LANES);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * padded + t];
-      float* a = acc + g * head_dim;
-      for (int64_t c = 0; c < chunks; ++c) store16(a + c * LANES, load16(a + c * LANES) + p * v[c]);
-    }
-  }
+  weigh_all_values(v_cache, scratch.rows.data(), len, scores, padded, out.acc.data(), group, head_dim);
 }
 
 template <typename T>
@@ -271,9 +284,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       }
       const T* q_row = q + (b * num_heads + h * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) query[i] = static_cast<float>(q_row[i]) * scale;
-      const auto attend = head_dim == 64 ? attend_split<T, 4> : head_dim == 128 ? attend_split<T, 8>
-                        : attend_split<T, 0>;
-      attend(query.data(), k_cache, v_cache, block_tables + b * table_width, h, first, last, group, num_blocks,
+      attend_split<T>(query.data(), k_cache, v_cache, block_tables + b * table_width, h, first, last, group, num_blocks,
              block_size, head_dim, scratch, part);
       if (splits == 1)
         for (int64_t g = 0; g < group; ++g) {
@@ -319,7 +330,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong, "seq_lens: int64");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must have one dtype");
-  TORCH_CHECK(q.size(2) % LANES == 0 && q.size(2) <= LANES * kMaxHeadChunks,
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= kMaxHeadDim,
               "head_dim must be a multiple of 16 up to 256, got ", q.size(2));
   auto out = at::empty_like(q);
   const auto run = [&](auto* type) {
