@@ -36,6 +36,11 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return weights, experts
 
 
+# CPU GEMMs with a few rows pack the whole weight first (2-4x slower than a matrix-vector product per row there):
+# experts with at most this many tokens run them one by one
+ROW_BY_ROW_MAX_TOKENS = 4
+
+
 class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelRank):
         super().__init__()
@@ -64,7 +69,8 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 end = start + count
-                grouped[start:end] = self.experts[expert](x[tokens[start:end]]) * pair_weights[start:end]
+                grouped[start:end] = self._run_expert(self.experts[expert], x, tokens[start:end])
+                grouped[start:end] *= pair_weights[start:end]
                 start = end
         pairs = torch.empty_like(grouped)
         pairs[order] = grouped  # back to (token, choice) order
@@ -72,3 +78,9 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.parallel.tp_size == 1 else self.parallel.all_reduce(out)
+
+    @staticmethod
+    def _run_expert(expert: MLP, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if len(tokens) > ROW_BY_ROW_MAX_TOKENS:
+            return expert(x[tokens])
+        return torch.cat([expert(x[token:token + 1]) for token in tokens.tolist()])
