@@ -9,16 +9,35 @@ from inferno.cpu_features import has_native_bfloat16
 
 @dataclass(slots=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent rope scaling."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    """Rope frequency scaling: "llama3" (frequency-dependent), "linear" (positions divided by `factor`) or
+    "longrope" (Phi-3's per-frequency divisors, short ones within the original context and long ones beyond it,
+    cos/sin scaled by `attention_factor`)."""
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    short_factor: list[float] | None = None
+    long_factor: list[float] | None = None
+    attention_factor: float = 1.0
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward: each token runs `top_k` of `num_experts` routed MLPs, weighted by the
+    router's softmax (renormalised over the chosen ones with `norm_topk_prob`), plus an optional shared expert
+    (qwen2_moe: its output scaled by sigmoid(shared_expert_gate))."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP instead (qwen MoE mlp_only_layers)
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "mistral"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" | MoE: see README
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,6 +51,32 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
+    # RMSNorm of q and k before rotary: "head" over each head (qwen3, gemma3), "full" over all heads (olmoe)
+    qk_norm: str | None = None
+    sliding_window: int | None = None  # keys within this many positions of the query (HF: q - k < window)
+    # per layer, whether its attention is limited to `sliding_window`; None: every layer (when there is a window)
+    sliding_layers: list[bool] | None = None
+    # Gemma: norms scale by (1 + w), extra norms after attention and feed-forward, GeGLU, embeddings x sqrt(hidden),
+    # tanh soft-capping of attention scores and final logits, scores scaled by query_pre_attn_scalar ** -0.5
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # "silu" | "gelu_pytorch_tanh"
+    embedding_multiplier: float = 1.0
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rope base (no scaling there)
+    moe: MoEConfig | None = None
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.sliding_layers is None or self.sliding_layers[layer]
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer when all are sliding (older KV blocks can be freed), else None."""
+        return self.sliding_window if self.sliding_layers is None or all(self.sliding_layers) else None
 
 
 SPEC_METHODS = ("ngram", "draft_model")

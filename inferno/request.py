@@ -48,6 +48,9 @@ class Request(TokenCounts):
         self.block_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []  # prefix-cache identity of each full block of token_ids
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        # leading blocks freed because no later query can see them (sliding-window models); their ids stay in
+        # block_ids so positions line up, but this request no longer holds them
+        self.num_dropped_blocks = 0
         self.beam_search_id = beam_search_id  # a beam's search picks its next token, not the scheduler
         # speculative decoding: draft tokens for the next step (not part of token_ids until accepted) and the
         # proposer's distributions for them ([k, vocab]; None for n-gram drafts and greedy requests)

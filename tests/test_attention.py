@@ -65,3 +65,27 @@ def test_decode_kernel_rejects_head_dim_it_cannot_tile():
     attn, q, tables, seq_lens = random_batch(torch.float32, [5], 72)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         attn._decode(q, DecodeGroup(0, 1, tables, seq_lens))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("path", ["kernel", "gather"])
+def test_sliding_window_decode_attends_only_the_last_window_keys(path, dtype, tol):
+    """Windows shorter and longer than a sequence, starting mid-block; 1000 keys split over threads."""
+    window = 37
+    attn, q, tables, seq_lens = random_batch(dtype, [1, 20, 37, 38, 333, 1000])
+    attn.sliding_window = window
+    group = DecodeGroup(0, len(seq_lens), tables, seq_lens)
+    if path == "kernel" and paged_attention() is None:
+        pytest.skip("no C++ compiler: the native kernel is not built")
+    if path == "gather":
+        keys = torch.arange(tables.shape[1] * BLOCK).unsqueeze(0)
+        group.block_rows = block_rows(tables, KV_HEADS, NUM_BLOCKS)
+        group.window_mask = ((keys < seq_lens.unsqueeze(1)) & (keys >= (seq_lens - window).unsqueeze(1)))[
+            None, :, None, :]
+    out = attn._decode(q, group)
+    ref = []
+    for b, n in enumerate(seq_lens.tolist()):
+        k = attn.k_cache[:, tables[b]].reshape(KV_HEADS, -1, HEAD_DIM)[:, max(0, n - window):n].float()
+        v = attn.v_cache[:, tables[b]].reshape(KV_HEADS, -1, HEAD_DIM)[:, max(0, n - window):n].float()
+        ref.append(F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True).squeeze(1))
+    assert (out.float() - torch.stack(ref)).abs().max().item() < tol

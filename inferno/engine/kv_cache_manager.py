@@ -3,6 +3,10 @@
 Block tables can share blocks: prefix-cache hits share full blocks between requests with the same prefix, and
 forks (the samples of an n > 1 request, beams) share their parent's blocks. A shared block is never written:
 before a request writes into a partial block someone else holds, it gets a private copy (copy-on-write).
+
+With a sliding window on every layer, the leading blocks no later query can see are freed as a request advances
+(`num_dropped_blocks`), so a long sequence holds about a window of blocks. The prefix cache stays exact: a block is
+dropped only once it is registered there, and a hit is a run of cached blocks from the start, with all their K/V.
 """
 import logging
 
@@ -14,9 +18,11 @@ logger = logging.getLogger("inferno")
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # of every layer; None: all blocks are kept
         self.block_pool = BlockPool(num_blocks)
         self.block_copies: list[tuple[int, int]] = []  # (source, destination) to copy before the next forward
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
@@ -47,6 +53,7 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens of `request`, after the prefix-cache hit `computed_blocks`
         of a request being admitted; False (nothing changed) if blocks ran out."""
+        self._drop_blocks_outside_window(request)
         hits = computed_blocks or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(hits))
@@ -66,6 +73,7 @@ class KVCacheManager:
             self._copy_on_write(request, shared)
         if needed:
             request.block_ids.extend(self.block_pool.allocate(needed))
+        self._drop_blocks_outside_window(request)
         return True
 
     def cache_blocks(self, request: Request) -> None:
@@ -83,7 +91,8 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         """Give `child` the parent's K/V for its first `num_tokens` tokens by sharing the blocks holding them."""
         shared = parent.block_ids[:cdiv(num_tokens, self.block_size)]
-        self.block_pool.touch(shared)
+        child.num_dropped_blocks = min(parent.num_dropped_blocks, len(shared))
+        self.block_pool.touch(shared[child.num_dropped_blocks:])
         child.block_ids = list(shared)
         num_full = num_tokens // self.block_size
         child.block_hashes = parent.block_hashes[:num_full]
@@ -91,9 +100,10 @@ class KVCacheManager:
         child.num_computed_tokens = num_tokens
 
     def free(self, request: Request) -> None:
-        self.block_pool.free(request.block_ids)
+        self.block_pool.free(request.block_ids[request.num_dropped_blocks:])
         request.block_ids = []
         request.num_cached_blocks = 0
+        request.num_dropped_blocks = 0
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self.block_copies = self.block_copies, []
@@ -101,6 +111,19 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.block_pool.reset_prefix_cache()
+
+    def _drop_blocks_outside_window(self, request: Request) -> None:
+        """Free the leading blocks that every later query's window has passed: the next query is at position
+        num_computed_tokens, and a query at q sees keys k > q - window."""
+        if self.sliding_window is None:
+            return
+        num_outside = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            num_outside = min(num_outside, request.num_cached_blocks)
+        num_outside = min(num_outside, len(request.block_ids))
+        if num_outside > request.num_dropped_blocks:
+            self.block_pool.free(request.block_ids[request.num_dropped_blocks:num_outside])
+            request.num_dropped_blocks = num_outside
 
     def _shared_partial_block(self, request: Request) -> int | None:
         """Index in the block table of the block the next token is written to, if another request holds it too."""

@@ -43,7 +43,11 @@ class LLMEngine:
         log_kv_cache(self.num_blocks, config.block_size, self.executor.kv_block_bytes,
                      self.max_model_len, auto=config.kv_cache_memory is None)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # a draft model (with windows of its own, or none) reads the same block tables: keep every block for it
+        spec = config.speculative_config
+        window = None if spec is not None and spec.method == "draft_model" else self.model_config.kv_window
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                               window)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         stop_checker = StopChecker(self.output_processor.detokenize_last_token, self.structured_output.grammar_of)

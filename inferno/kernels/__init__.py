@@ -43,7 +43,7 @@ def paged_attention():
         return None
 
     @torch.library.register_fake("inferno::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):  # shapes for torch.compile's tracing
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window=0):  # shapes for torch.compile's tracing
         return torch.empty_like(q)
 
     return torch.ops.inferno

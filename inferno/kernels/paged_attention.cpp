@@ -253,10 +253,13 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, T* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t table_width, float scale) {
+                   int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
+                   int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
+  // a sequence attends keys [begin_of(b), seq_len): all of them, or the last `window` (sliding-window layers)
+  const auto begin_of = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0; };
   int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, seq_lens[b]);
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, seq_lens[b] - begin_of(b));
   // enough items for every thread, each split a whole number of blocks and at least kMinSplitTokens long
   const int64_t wanted = (2 * at::get_num_threads() + batch * num_kv_heads - 1) / (batch * num_kv_heads);
   const int64_t min_blocks = (kMinSplitTokens + block_size - 1) / block_size;
@@ -272,7 +275,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
     Partial whole;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (num_kv_heads * splits), h = item / splits % num_kv_heads, s = item % splits;
-      const int64_t first = std::min(s * split_blocks * block_size, seq_lens[b]);
+      const int64_t first = std::min(begin_of(b) + s * split_blocks * block_size, seq_lens[b]);
       const int64_t last = std::min(first + split_blocks * block_size, seq_lens[b]);
       Partial& part = splits > 1 ? partials[item] : whole;
       if (first == last) {  // a short sequence in a batch split for a longer one
@@ -318,9 +321,10 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 }
 
 // q [B, H, D]; caches [KVH, num_blocks, block_size, D]; block_tables [B, W] int64; seq_lens [B] int64;
-// D a multiple of 16, at most 256
+// D a multiple of 16, at most 256; window > 0: only the last `window` keys of each sequence
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong, "seq_lens: int64");
@@ -333,7 +337,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     using T = std::remove_pointer_t<decltype(type)>;
     decode_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
                      seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), q.size(1), k_cache.size(0),
-                     k_cache.size(1), k_cache.size(2), q.size(2), block_tables.size(1), static_cast<float>(scale));
+                     k_cache.size(1), k_cache.size(2), q.size(2), block_tables.size(1), static_cast<float>(scale),
+                     window);
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(static_cast<float*>(nullptr)); break;
@@ -348,7 +353,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

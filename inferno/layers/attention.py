@@ -6,6 +6,9 @@ One flat batch holds decode tokens first (one query each) and then prefill chunk
 over the chunk plus the context already in the cache). Decodes run in the native kernel, which reads K/V through
 the block tables in place; without it, they are sorted by length and attended in groups, each one batched
 matmul over K/V gathered through the group's block tables, padded to its longest member.
+
+Sliding-window layers see only the keys within `sliding_window` positions of each query (`window_mask`s; the
+kernel starts each sequence at its window); soft-capped scores (Gemma 2) take the explicit PyTorch path.
 """
 from dataclasses import dataclass
 
@@ -24,6 +27,7 @@ class PrefillChunk:
     num_computed_tokens: int  # tokens of this request already in the cache before the chunk
     block_rows: torch.Tensor  # rows of the flattened cache holding this request's blocks (see block_rows)
     mask: torch.Tensor | None  # [chunk, context] bool; None when there is no earlier context (plain causal)
+    window_mask: torch.Tensor | None = None  # the same limited to the sliding window (models that have one)
 
 
 @dataclass(slots=True)
@@ -36,6 +40,7 @@ class DecodeGroup:
     # [1, end - start, 1, width * block_size] bool: key position < seq_len
     block_rows: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    window_mask: torch.Tensor | None = None  # mask limited to the sliding window (models that have one)
 
 
 @dataclass(slots=True)
@@ -60,13 +65,32 @@ def gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return cache.view(kv_heads * num_blocks, block_size * head_dim).index_select(0, rows).view(kv_heads, -1, head_dim)
 
 
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """query [1, H, Q, D], keys/values [1, KVH, K, D], mask [Q, K] bool (None: causal) -> [1, H, Q, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=True)
+    # soft-capped scores, cap * tanh(scores / cap): no fused kernel takes them
+    group = query.shape[1] // keys.shape[1]
+    scores = torch.matmul(query, keys.repeat_interleave(group, dim=1).transpose(-1, -2)).mul_(scale)
+    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), values.repeat_interleave(group, dim=1))
+
+
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         # quantized KV cache (int8 / fp8 codes in k_cache / v_cache): per-token-per-head scales; None otherwise
@@ -97,16 +121,14 @@ class Attention(nn.Module):
             out[group.start:group.end] = self._decode(q[group.start:group.end], group)
         for chunk in meta.prefills:
             query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            mask = chunk.window_mask if self.sliding_window else chunk.mask
             if chunk.mask is None:
                 keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
                 values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-                attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=self.scale,
-                                                      enable_gqa=True)
             else:
                 keys, values = self._gather_kv(chunk.block_rows, q.dtype)
                 keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-                attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=self.scale,
-                                                      enable_gqa=True)
+            attn = attend(query, keys, values, mask, self.scale, self.softcap)
             out[chunk.start:chunk.end] = attn.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], -1)
 
@@ -118,7 +140,7 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         if group.block_rows is None:
             return self.kernels.paged_decode_attention(q.contiguous(), self.k_cache, self.v_cache, group.block_tables,
-                                                       group.seq_lens, self.scale)
+                                                       group.seq_lens, self.scale, self.sliding_window or 0)
         return self._decode_gathered(q, group)
 
     def _decode_gathered(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
@@ -130,6 +152,8 @@ class Attention(nn.Module):
         values = values.view(self.num_kv_heads, batch, -1, self.head_dim)
         query = q.view(batch, self.num_kv_heads, q_per_kv, self.head_dim).transpose(0, 1)
         scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(self.scale)
-        scores.masked_fill_(~group.mask, float("-inf"))
+        if self.softcap is not None:
+            scores = torch.tanh(scores.div_(self.softcap)).mul_(self.softcap)
+        scores.masked_fill_(~(group.window_mask if self.sliding_window else group.mask), float("-inf"))
         out = torch.matmul(scores.softmax(dim=-1), values)  # [kv_heads, B, group, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)

@@ -55,13 +55,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Linear):
-    """Input features `columns` of the checkpoint weight; the ranks' partial outputs are summed by one all-reduce."""
+    """Input features `columns` of the checkpoint weight; the ranks' partial outputs are summed by one all-reduce
+    (unless `reduce` is False: the caller sums several layers' outputs first)."""
 
-    def __init__(self, full_in_features: int, columns: range, out_features: int, parallel: ParallelRank):
+    def __init__(self, full_in_features: int, columns: range, out_features: int, parallel: ParallelRank,
+                 reduce: bool = True):
         super().__init__(len(columns), out_features, bias=False)
         self.full_in_features = full_in_features
         self.columns = columns
         self.parallel = parallel
+        self.reduce = reduce
 
     def weight_loader(self, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         check_shape(name, loaded, (param.shape[0], self.full_in_features))
@@ -69,4 +72,4 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        return out if self.parallel.tp_size == 1 else self.parallel.all_reduce(out)
+        return out if self.parallel.tp_size == 1 or not self.reduce else self.parallel.all_reduce(out)

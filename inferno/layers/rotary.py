@@ -1,4 +1,4 @@
-"""Rotary position embeddings with Llama-3 frequency scaling.
+"""Rotary position embeddings with Llama-3, linear and LongRoPE (Phi-3) frequency scaling.
 
 Q/K head dimensions are kept in the interleaved layout (rotation pairs are adjacent: dims 2i, 2i+1), so the
 rotation of pair i by angle a_i is (x0 cos - x1 sin, x0 sin + x1 cos), written with real tensors so that
@@ -31,16 +31,30 @@ class RotaryEmbedding(nn.Module):
         # plain tensors on the CPU (not buffers): the model may be built on the meta device and then filled
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         inv_freq = 1.0 / (theta ** exponents)
-        if scaling is not None:
+        self.scaling = scaling
+        if scaling is not None and scaling.rope_type == "llama3":
             inv_freq = llama3_scaled_inv_freq(inv_freq, scaling)
+        elif scaling is not None and scaling.rope_type == "linear":
+            inv_freq = inv_freq / scaling.factor
         self.inv_freq = inv_freq
         self.max_position = max_position
         self._build_cache()
 
     def _build_cache(self) -> None:
         t = torch.arange(self.max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, self.inv_freq)
-        self.cos_sin_cache = torch.stack([freqs.cos(), freqs.sin()], dim=-1)  # [positions, head_dim // 2, 2]
+        scaling = self.scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            # LongRoPE: per-frequency divisors, the long ones when the context goes beyond the original (llama.cpp's
+            # choice, one for the whole model: HF switches per forward pass by its longest sequence, which leaves a
+            # cache of keys rotated one way and queries the other once a sequence crosses the original length)
+            long = self.max_position > scaling.original_max_position_embeddings
+            factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, device="cpu")
+            freqs = torch.outer(t, self.inv_freq / factors)
+            cos_sin = torch.stack([freqs.cos(), freqs.sin()], dim=-1) * scaling.attention_factor
+        else:
+            freqs = torch.outer(t, self.inv_freq)
+            cos_sin = torch.stack([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin_cache = cos_sin  # [positions, head_dim // 2, 2]
 
     def set_freq_factors(self, factors: torch.Tensor) -> None:
         """GGUF llama-3 files carry per-frequency divisors (`rope_freqs.weight`) instead of a config."""

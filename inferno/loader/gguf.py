@@ -9,13 +9,15 @@ import torch
 
 from inferno.config import ModelConfig
 from inferno.layers.quantization import GroupQuantized, Q8Groups
+from inferno.loader.gguf_architectures import (EXPERT_TENSORS, architecture_options, layer_tensor_overrides,
+                                               to_hf_layout)
 from inferno.loader.gguf_blocks import INT4_TYPES, Int4Blocks, int4_groups, int4_rows, q8_groups
 from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 
 T = gguf.GGMLQuantizationType
 Blocks = GroupQuantized | Int4Blocks | Q8Groups  # quantized blocks in a kernel's form
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "olmoe")
 
 # GGUF tensor name (without "blk.N.") -> Hugging Face name (without "model.layers.N.")
 LAYER_TENSORS = {
@@ -27,6 +29,8 @@ LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -58,7 +62,9 @@ def read_config(gguf_file: GGUFFile) -> ModelConfig:
     missing = [f"{arch}.{key}" for key, value in required.items() if not value]
     if missing:
         raise ValueError(f"GGUF file {gguf_file.path} lacks metadata {', '.join(missing)}")
-    return ModelConfig(
+    head_dim = field(f"{arch}.attention.key_length", hidden // heads)
+    tensors = {t.name: t for t in gguf_file.tensors}
+    options = dict(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -66,13 +72,16 @@ def read_config(gguf_file: GGUFFile) -> ModelConfig:
         num_hidden_layers=field(f"{arch}.block_count"),
         num_attention_heads=heads,
         num_key_value_heads=field(f"{arch}.attention.head_count_kv", heads),
-        head_dim=field(f"{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=field(f"{arch}.rope.freq_base", 10000.0),
         max_position_embeddings=field(f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
     )
+    options.update(architecture_options(arch, field, names, lambda name: float_weight(tensors[name]), hidden, heads,
+                                        head_dim, options["num_hidden_layers"]))
+    return ModelConfig(**options)
 
 
 def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -80,11 +89,14 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[gguf_name]
+    if gguf_name.startswith("rope_factors_"):  # Phi-3's LongRoPE factors, read into the config
+        return gguf_name
     _, layer, rest = gguf_name.split(".", 2)
-    return f"model.layers.{layer}.{LAYER_TENSORS[rest]}" if rest in LAYER_TENSORS else None
+    names = {**LAYER_TENSORS, **layer_tensor_overrides(arch)}
+    return f"model.layers.{layer}.{names[rest]}" if rest in names else None
 
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -104,7 +116,8 @@ def native_weight(tensor: GGUFTensor, name: str,
     qtype = tensor.tensor_type
     if native == "none" or qtype in FLOAT_TYPES:
         return None
-    projection = name.endswith("proj.weight")
+    projection = name.endswith("proj.weight") and "experts" not in name and not name.endswith(
+        ("qkv_proj.weight", "gate_up_proj.weight"))  # fused or stacked ones are split as float
     if native == "q4":
         return int4_groups(tensor.data, qtype) if projection and qtype in Q4_LEGACY_TYPES else None
     if projection and qtype in INT4_TYPES:
@@ -127,14 +140,23 @@ def iter_weights(gguf_file: GGUFFile, config: ModelConfig,
     """HF-named weights, float tensors or (see `native_weight`) quantized blocks repacked without dequantizing."""
     if native not in ("none", "q4", "auto"):
         raise ValueError(f"native must be 'none', 'q4' or 'auto', got {native!r}")
+    arch = gguf_file.field("general.architecture")
     for tensor in gguf_file.tensors:
-        name = hf_name(tensor.name)
+        layer_name = tensor.name.split(".", 2)[-1]
+        if layer_name in EXPERT_TENSORS:  # [experts, rows, columns] -> one tensor per expert
+            prefix = f"model.layers.{tensor.name.split('.')[1]}.mlp.experts"
+            for e, w in enumerate(float_weight(tensor)):
+                yield f"{prefix}.{e}.{EXPERT_TENSORS[layer_name]}.weight", w
+            continue
+        name = hf_name(tensor.name, arch)
         if name is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file")
+        if name.startswith("rope_factors_"):
+            continue
         w = native_weight(tensor, name, native)
         if w is None:
-            w = float_weight(tensor)
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = to_hf_layout(arch, name, float_weight(tensor))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if name.endswith("q_proj.weight") else config.num_key_value_heads
             w = unpermute_rotary(w, heads) if isinstance(w, torch.Tensor) \
                 else w.map_rows(lambda t: unpermute_rotary(t, heads))

@@ -135,7 +135,7 @@ def load_weights(model: LlamaForCausalLM,
 
     loaded = set()
     codes: dict[str, dict[int, tuple[str, Blocks]]] = {}  # fused parameter -> shard -> (name, codes)
-    for name, w in weights:
+    for name, w in split_fused(rename_checkpoint_tensors(weights), config):
         if name == "rope_freqs":
             model.rotary.set_freq_factors(w)
             continue
@@ -146,10 +146,15 @@ def load_weights(model: LlamaForCausalLM,
             continue
         module_path, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
         target, shard = name, 0
+        if proj.endswith("norm") and config.norm_offset:  # Gemma's (1 + w) norms
+            w = w + config.norm_offset
+        if proj in ("q_norm", "k_norm"):  # per head (or over all heads): into the interleaved rotary order
+            heads = 1 if config.qk_norm == "head" else model_heads(config, proj)
+            w = interleave_rotary_rows(w, heads)
         if proj in PACKED:
             fused, shard = PACKED[proj]
             if proj in ("q_proj", "k_proj"):
-                heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+                heads = model_heads(config, proj)
                 w = interleave_rotary_rows(w, heads) if isinstance(w, torch.Tensor) \
                     else w.map_rows(lambda t: interleave_rotary_rows(t, heads))
             target = f"{module_path}.{fused}.{kind}"
@@ -179,6 +184,49 @@ def load_weights(model: LlamaForCausalLM,
             for shard, (checkpoint_name, w) in shards.items():
                 copy_weight(checkpoint_name, name, w.dequantize(), shard)
     return prequantized
+
+
+# Mixtral's names for its experts' MLPs and their projections
+MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+def rename_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor | Blocks]]
+                              ) -> Iterable[tuple[str, torch.Tensor | Blocks]]:
+    for name, w in weights:
+        if "block_sparse_moe." in name:
+            for old, new in MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
+        yield name, w
+
+
+def split_fused(weights: Iterable[tuple[str, torch.Tensor | Blocks]], config: ModelConfig
+                ) -> Iterable[tuple[str, torch.Tensor | Blocks]]:
+    """Phi-3's fused qkv_proj and gate_up_proj, and experts stacked in one tensor (transformers 5's format), split
+    into the projections the other checkpoints hold (so each gets its rank's slice and rotary order like theirs)."""
+    q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for name, w in weights:
+        if name.endswith("qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            yield from ((f"{prefix}{proj}.weight", part) for proj, part in zip(
+                ("q_proj", "k_proj", "v_proj"), w.split([q_rows, kv_rows, kv_rows])))
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # experts stacked in one tensor
+            prefix, _, kind = name.rpartition(".")
+            for e, expert in enumerate(w):
+                if kind == "down_proj":
+                    yield f"{prefix}.{e}.down_proj.weight", expert
+                else:
+                    yield from ((f"{prefix}.{e}.{proj}.weight", part)
+                                for proj, part in zip(("gate_proj", "up_proj"), expert.chunk(2)))
+        elif name.endswith("gate_up_proj.weight"):
+            prefix = name.removesuffix("gate_up_proj.weight")
+            yield from ((f"{prefix}{proj}.weight", part) for proj, part in zip(("gate_proj", "up_proj"), w.chunk(2)))
+        else:
+            yield name, w
+
+
+def model_heads(config: ModelConfig, proj: str) -> int:
+    """Heads of a query (q_proj, q_norm) or key (k_proj, k_norm) tensor."""
+    return config.num_attention_heads if proj.startswith("q") else config.num_key_value_heads
 
 
 def fuse_shards(shards: list[Blocks]) -> Blocks:

@@ -1,33 +1,25 @@
-"""Llama-family decoder (llama, mistral, qwen2) over a flat batch of tokens and a paged KV cache."""
+"""The decoder of every supported architecture, over a flat batch of tokens and a paged KV cache: the Llama shape
+(llama, mistral, qwen2) with optional pieces switched on by the config — per-head q/k norms (qwen3, gemma3),
+sliding-window layers, Gemma's sandwich norms, GeGLU, scaled embeddings and soft-capping, and mixture-of-experts
+feed-forward blocks (inferno/layers/moe.py)."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.layers.attention import Attention, AttentionMetadata
-from inferno.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from inferno.layers.mlp import MLP
+from inferno.layers.moe import SparseMoE
+from inferno.layers.norm import RMSNorm
+from inferno.layers.parallel_linear import QKVParallelLinear, RowParallelLinear
 from inferno.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from inferno.layers.rotary import RotaryEmbedding, apply_rotary
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # normalise in float32 like the reference implementation, then scale in the model dtype
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
     """This rank's attention heads (all of them with one rank)."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelRank):
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelRank):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
@@ -35,40 +27,57 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, self.qkv_proj.shards[0],
                                         config.hidden_size, parallel)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm == "full" and parallel.tp_size > 1:
+            raise ValueError(f"{config.architecture}: q/k norms over all heads are not split across tensor-parallel "
+                             "ranks yet; use pipeline_parallel_size instead")
+        if config.qk_norm is not None:
+            q_size, k_size = ((self.head_dim, self.head_dim) if config.qk_norm == "head"
+                              else (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim))
+            self.q_norm = RMSNorm(q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(k_size, config.rms_norm_eps)
+        scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        window = config.sliding_window if config.is_sliding(layer) else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window,
+                              config.attn_logit_softcapping)
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], rotations)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None and self.q_norm.weight.shape[0] != self.head_dim:  # norms over all heads
+            q, k, v = qkv.split([self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim:  # per-head norms
+            q, k = self.q_norm(q), self.k_norm(k)
+        qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelRank):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, config.intermediate_size, parallel)
-        self.down_proj = RowParallelLinear(config.intermediate_size, self.gate_up_proj.shards[0],
-                                           config.hidden_size, parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelRank):
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelRank):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, parallel)
+        self.self_attn = SelfAttention(config, layer, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, parallel)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = config.moe
+        self.mlp = (SparseMoE(config, parallel) if moe is not None and layer not in moe.dense_layers
+                    else MLP(config.hidden_size, config.intermediate_size, config.hidden_act, parallel))
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotations, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rotations, meta)
+        if self.pre_feedforward_layernorm is None:  # post_attention_layernorm is the feed-forward's input norm
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Gemma: norms on both sides of the attention and of the feed-forward block
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -80,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.stage_layers = parallel.stage_layers(config.num_hidden_layers)
         self.holds_head = parallel.is_first_stage
-        self.layers = nn.ModuleList(DecoderLayer(config, parallel) if i in self.stage_layers else nn.Identity()
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel) if i in self.stage_layers else nn.Identity()
                                     for i in range(config.num_hidden_layers))
         self.embed_tokens = self.norm = self.lm_head = None
         if self.holds_head:
@@ -91,6 +100,9 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
+        # Gemma 3: the sliding layers' own rope base, unscaled
+        self.local_rotary = None if config.rope_local_theta is None else RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_local_theta)
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -106,13 +118,21 @@ class LlamaForCausalLM(nn.Module):
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) for a flat batch of tokens, through this stage's layers;
         `hidden`: the previous stage's output (later stages), instead of embedding `input_ids`."""
-        x = self.embed_tokens(input_ids) if hidden is None else hidden
+        x = hidden
+        if x is None:
+            x = self.embed_tokens(input_ids)
+            if self.config.embedding_multiplier != 1.0:  # Gemma: x sqrt(hidden), rounded to the model dtype
+                x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         rotations = self.rotary.rotations(positions)
+        local = rotations if self.local_rotary is None else self.local_rotary.rotations(positions)
         for i in self.stage_layers:
-            x = self.layers[i](x, rotations, meta)
+            x = self.layers[i](x, local if self.config.is_sliding(i) else rotations, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits on tensor rank 0 of the first stage; None on the other tensor ranks."""
         logits = self.lm_head(self.norm(hidden))
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        cap = self.config.final_logit_softcapping
+        return logits.float() if cap is None else torch.tanh(logits.float() / cap) * cap

@@ -54,9 +54,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         quantized_kv = engine_config.kv_cache_dtype != "auto"
         # the native decode kernel reads float caches (a quantized cache is dequantized on the PyTorch path) in
-        # 16-wide chunks of a head
+        # 16-wide chunks of a head, without soft-capping
         self.use_kernels = (paged_attention() is not None and not quantized_kv and self.config.head_dim % 16 == 0
-                            and self.config.head_dim <= 256)
+                            and self.config.head_dim <= 256 and self.config.attn_logit_softcapping is None)
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # every request the scheduler has not finished
@@ -64,7 +64,9 @@ class ModelRunner:
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
         self.compiled_decode = None
-        compile_decode = not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1
+        # (not MoE models: routing is data-dependent control flow, each step would break the graph)
+        compile_decode = (not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1
+                          and self.config.moe is None)
         # one block beyond the pool when compiling: the warm-up's scratch, which no request can hold
         self.scratch_block = num_blocks if compile_decode else None
         self.num_cache_blocks = num_blocks + compile_decode
@@ -245,12 +247,14 @@ class ModelRunner:
 
     def _prefill_chunk(self, start: int, n: int, num_computed: int, block_ids: list[int]) -> PrefillChunk:
         table = torch.tensor(block_ids[:cdiv(num_computed + n, self.block_size)], dtype=torch.long)
-        mask = None
-        if num_computed:
-            keys = torch.arange(len(table) * self.block_size)
-            queries = torch.arange(num_computed, num_computed + n)
-            mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
-        return PrefillChunk(start, start + n, num_computed, self._rows(table), mask)
+        queries = torch.arange(num_computed, num_computed + n).unsqueeze(1)
+        keys = torch.arange(len(table) * self.block_size if num_computed else n).unsqueeze(0)
+        mask = keys <= queries if num_computed else None
+        window = self.config.sliding_window
+        window_mask = mask
+        if window is not None and num_computed + n > window:  # HF: a query sees keys q - window < k <= q
+            window_mask = (keys <= queries) & (keys > queries - window)
+        return PrefillChunk(start, start + n, num_computed, self._rows(table), mask, window_mask)
 
     def _decode_group(self, start: int, decodes: list[tuple[int, list[int]]]) -> DecodeGroup:
         """Block tables padded to the group's longest request (with block 0, masked out) and sequence lengths."""
@@ -260,7 +264,12 @@ class ModelRunner:
         group = DecodeGroup(start, start + len(decodes), tables, seq_lens)
         if not self.use_kernels:
             group.block_rows = self._rows(tables)
-            group.mask = (torch.arange(width * self.block_size).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
+            keys = torch.arange(width * self.block_size).unsqueeze(0)
+            group.mask = (keys < seq_lens.unsqueeze(1))[None, :, None, :]
+            group.window_mask = group.mask
+            if self.config.sliding_window is not None:
+                group.window_mask = group.mask & (keys >= (seq_lens - self.config.sliding_window).unsqueeze(1))[
+                    None, :, None, :]
         return group
 
 

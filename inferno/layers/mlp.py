@@ -1,0 +1,31 @@
+"""The gated feed-forward block: down(act(gate(x)) * up(x)), SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferno.distributed.parallel_state import ParallelRank
+from inferno.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+class MLP(nn.Module):
+    """`reduce=False` leaves the tensor-parallel all-reduce of the output to the caller (experts of a MoE block)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, parallel: ParallelRank,
+                 reduce: bool = True):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, intermediate_size, parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, self.gate_up_proj.shards[0], hidden_size, parallel,
+                                           reduce)
+        self.act = activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
