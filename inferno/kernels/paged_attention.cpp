@@ -100,7 +100,7 @@ inline floatv exp_lanes(floatv x) {
   p = p * r + 1.f;
   p = p * r + 1.f;
   const intv two_n = ((intv)shifted - 0x4B400000 + 127) << 23;  // 2^n built in the exponent bits
-  return (floatv)((intv)(p * (floatv)two_n) & intv(live));
+  return (floatv)((intv)(p * (floatv)two_n) & live);
 }
 
 // s[j] = sum of the lanes of v[j], for LANES vectors: pairs are folded in halves, quarters, ..., so that every add
