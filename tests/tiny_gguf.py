@@ -18,6 +18,18 @@ def byte_level_tokens() -> list[str]:
     return [chars[b] for b in range(256)] + ["<|endoftext|>", "<|im_end|>"]
 
 
+def add_byte_level_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The byte-level vocabulary above as the file's GPT-2-style tokenizer, the last control token as EOS."""
+    tokens = byte_level_tokens()
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * 2)
+    writer.add_token_merges([])
+    writer.add_eos_token_id(len(tokens) - 1)
+
+
 def random_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Valid blocks [rows, bytes per row] for `qtype`: `gguf.quants.quantize` of random weights where the package
     can quantize the type; random bytes with small float16 scales for the K-quants (every byte pattern is data)."""
@@ -49,13 +61,7 @@ def write_tiny_gguf(path: Path, types: dict[str, T] | T, arch: str = "qwen2", ti
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * 2)
-    writer.add_token_merges([])
-    writer.add_eos_token_id(len(tokens) - 1)
+    add_byte_level_tokenizer(writer)
 
     def matrix(name: str, kind: str, rows: int, cols: int) -> None:
         qtype = kind_of(kind)

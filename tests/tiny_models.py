@@ -9,7 +9,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from tiny_gguf import byte_level_tokens
+from tiny_gguf import add_byte_level_tokenizer, byte_level_tokens
 
 VOCAB = len(byte_level_tokens())  # 256 byte tokens and 2 control tokens; prompts are token ids below 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -157,14 +157,7 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str) -> Path:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    tokens = byte_level_tokens()
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * 2)
-    writer.add_token_merges([])
-    writer.add_eos_token_id(len(tokens) - 1)
+    add_byte_level_tokenizer(writer)
     if hasattr(config, "num_experts_per_tok"):
         writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
