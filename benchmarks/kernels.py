@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from inferno.kernels import paged_attention, quantized_gemv
-from inferno.layers.attention import Attention, DecodeGroup, block_rows
+from inferno.layers.attention import Attention
+from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
+from inferno.layers.attention.torch_backend import TorchAttentionBackend
 from inferno.layers.quantization import (COMPUTE_DTYPE, GroupQuantized, Int4Linear, Int8GroupLinear, Q8Groups, Q8Linear,
                                          quantize_int4, quantize_int8, quantize_q8_symmetric)
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
@@ -59,12 +61,12 @@ def attention_case(batch: int, context: int, repeats: int) -> tuple[float, float
     tables = (torch.randperm(num_blocks - 1)[:batch * blocks_per_seq] + 1).view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context)
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
-    native = DecodeGroup(0, batch, tables, seq_lens)
-    gathered = DecodeGroup(0, batch, tables, seq_lens)
-    gathered.block_rows = block_rows(tables, KV_HEADS, num_blocks)
-    gathered.mask = (torch.arange(blocks_per_seq * BLOCK).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
-    return (median_time(lambda: attn._decode(q, native), repeats),
-            median_time(lambda: attn._decode(q, gathered), repeats))
+    times = []
+    for backend in (CpuKernelAttentionBackend, TorchAttentionBackend):
+        backend = backend(BLOCK, KV_HEADS, num_blocks, None)
+        group = backend.decode_metadata(torch.zeros(0, dtype=torch.long), tables, seq_lens).decode_groups[0]
+        times.append(median_time(lambda: backend.decode(attn, q, group), repeats))
+    return times[0], times[1]
 
 
 def projections_case(rows: int, repeats: int) -> tuple[float, float]:

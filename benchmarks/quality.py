@@ -22,7 +22,6 @@ import torch
 
 from inferno import LLM
 from inferno.engine.llm_engine import LLMEngine
-from inferno.layers.attention import AttentionMetadata
 from inferno.layers.native_quantization import QuantizedEmbedding
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.loader import gguf as gguf_loader
@@ -114,8 +113,7 @@ def teacher_forced_logprobs(engine: LLMEngine, token_ids: list[int], chunk: int)
         for start in range(0, len(token_ids), chunk):
             end = min(start + chunk, len(token_ids))
             slots = [req.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            meta = AttentionMetadata(torch.tensor(slots), [], [runner._prefill_chunk(0, end - start, start,
-                                                                                   req.block_ids)])
+            meta = runner.attention.build_metadata(slots, [], [(end - start, start, req.block_ids)])
             hidden = runner.model(torch.tensor(token_ids[start:end]), torch.arange(start, end), meta)
             logits.append(runner.model.compute_logits(hidden))
         return torch.cat(logits)[:-1].log_softmax(dim=-1)

@@ -170,11 +170,15 @@ QUANTIZATION_METHODS = ("auto", "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 PER_CHANNEL = -1  # quantization_group_size for int8 with one scale per output channel (GPTQ's "-1")
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3")
+DEVICES = ("auto", "cpu", "cuda")
+# "auto": Triton on CUDA; on the CPU the native decode kernel where it can run the model, else PyTorch
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton")
 
 
 @dataclass
 class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None: the default model
+    device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     dtype: str = "auto"  # "auto": bfloat16 where the CPU has native bfloat16 GEMMs (AVX512-BF16, AMX), else float32
     # weight-only: "auto" runs a GGUF file's quantized blocks as stored (float checkpoints stay float); None
     # dequantizes them to float; "int8" or "int4" (both group-wise) quantize every projection
@@ -187,6 +191,9 @@ class EngineConfig:
     # sequences of max_model_len tokens (inferno/worker/kv_cache.py)
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8" / "fp8_e4m3": codes + per-token-per-head scales
+    # CUDA: the fraction of the GPU's memory the engine may use (weights, activations, KV cache), as in vLLM
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
@@ -210,10 +217,25 @@ class EngineConfig:
                 self.quantization == "int4" and self.quantization_group_size == PER_CHANNEL):
             raise ValueError(f"quantization_group_size must be one of {list(QUANTIZATION_GROUP_SIZES)} (or "
                              f"{PER_CHANNEL}: per output channel, int8 only), got {self.quantization_group_size}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU (torch "
+                             f"{torch.__version__}, built {'with' if torch.version.cuda else 'without'} CUDA)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if has_native_bfloat16() else "float32"
+        if self.dtype == "auto":  # GPUs: bfloat16 (float16 before Ampere)
+            if self.device == "cuda":
+                self.dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+            else:
+                self.dtype = "bfloat16" if has_native_bfloat16() else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory",
@@ -243,3 +265,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

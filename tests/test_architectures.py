@@ -99,7 +99,7 @@ def test_gguf_matches_hf(tmp_path, arch):
 def test_sliding_window_prompt_of_several_windows_matches_hf(tmp_path, head_dim):
     hf_model = write_hf_model(tmp_path, "mistral", head_dim=head_dim)
     llm = tiny_llm(tmp_path)
-    assert llm.llm_engine.model_runner.use_kernels == (head_dim == 16)
+    assert (llm.llm_engine.model_runner.attention.name == "cpu_kernel") == (head_dim == 16)
     assert_matches_hf(hf_model, llm, prompts([200])[0], prompts([5, 40, 70, 23]))
 
 

@@ -4,7 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from inferno.kernels import paged_attention
-from inferno.layers.attention import Attention, DecodeGroup, block_rows
+from inferno.layers.attention import Attention
+from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
+from inferno.layers.attention.torch_backend import TorchAttentionBackend
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 9, 3, 64, 16, 200
 
@@ -18,6 +20,16 @@ def random_batch(dtype: torch.dtype, seq_lens: list[int], head_dim: int = HEAD_D
     tables = torch.stack([torch.randperm(NUM_BLOCKS)[:width] for _ in seq_lens])
     q = torch.randn(len(seq_lens), HEADS, head_dim, dtype=dtype)
     return attn, q, tables, torch.tensor(seq_lens)
+
+
+def decode(path: str, attn: Attention, q, tables, seq_lens) -> torch.Tensor:
+    """The decode rows through one backend's own metadata."""
+    if path == "kernel" and paged_attention() is None:
+        pytest.skip("no C++ compiler: the native kernel is not built")
+    backend = (CpuKernelAttentionBackend if path == "kernel" else TorchAttentionBackend)(
+        BLOCK, KV_HEADS, NUM_BLOCKS, attn.sliding_window)
+    group = backend.decode_metadata(torch.zeros(0, dtype=torch.long), tables, seq_lens).decode_groups[0]
+    return backend.decode(attn, q, group)
 
 
 def dense_reference(attn: Attention, q, tables, seq_lens) -> torch.Tensor:
@@ -36,15 +48,7 @@ def dense_reference(attn: Attention, q, tables, seq_lens) -> torch.Tensor:
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 333], [1000], [3, 700]])
 def test_decode_attention_matches_dense(path, dtype, tol, lens):
     attn, q, tables, seq_lens = random_batch(dtype, lens)
-    group = DecodeGroup(0, len(seq_lens), tables, seq_lens)
-    if path == "kernel":
-        if paged_attention() is None:
-            pytest.skip("no C++ compiler: the native kernel is not built")
-        out = attn._decode(q, group)
-    else:
-        group.block_rows = block_rows(tables, KV_HEADS, NUM_BLOCKS)
-        group.mask = (torch.arange(tables.shape[1] * BLOCK).unsqueeze(0) < seq_lens.unsqueeze(1))[None, :, None, :]
-        out = attn._decode(q, group)
+    out = decode(path, attn, q, tables, seq_lens)
     assert out.dtype == dtype
     assert (out.float() - dense_reference(attn, q, tables, seq_lens)).abs().max().item() < tol
 
@@ -52,19 +56,15 @@ def test_decode_attention_matches_dense(path, dtype, tol, lens):
 # tiles of whole register rows (4 x 8 floats with AVX2, 8 x 16 with AVX-512), then single vectors for the rest
 @pytest.mark.parametrize("head_dim", [256, 128, 96, 80, 32, 16])
 def test_decode_kernel_head_dims(head_dim):
-    if paged_attention() is None:
-        pytest.skip("no C++ compiler: the native kernel is not built")
     attn, q, tables, seq_lens = random_batch(torch.float32, [1, 17, 300], head_dim)
-    out = attn._decode(q, DecodeGroup(0, 3, tables, seq_lens))
+    out = decode("kernel", attn, q, tables, seq_lens)
     assert (out - dense_reference(attn, q, tables, seq_lens)).abs().max().item() < 1e-5
 
 
 def test_decode_kernel_rejects_head_dim_it_cannot_tile():
-    if paged_attention() is None:
-        pytest.skip("no C++ compiler: the native kernel is not built")
     attn, q, tables, seq_lens = random_batch(torch.float32, [5], 72)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        attn._decode(q, DecodeGroup(0, 1, tables, seq_lens))
+        decode("kernel", attn, q, tables, seq_lens)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -74,15 +74,7 @@ def test_sliding_window_decode_attends_only_the_last_window_keys(path, dtype, to
     window = 37
     attn, q, tables, seq_lens = random_batch(dtype, [1, 20, 37, 38, 333, 1000])
     attn.sliding_window = window
-    group = DecodeGroup(0, len(seq_lens), tables, seq_lens)
-    if path == "kernel" and paged_attention() is None:
-        pytest.skip("no C++ compiler: the native kernel is not built")
-    if path == "gather":
-        keys = torch.arange(tables.shape[1] * BLOCK).unsqueeze(0)
-        group.block_rows = block_rows(tables, KV_HEADS, NUM_BLOCKS)
-        group.window_mask = ((keys < seq_lens.unsqueeze(1)) & (keys >= (seq_lens - window).unsqueeze(1)))[
-            None, :, None, :]
-    out = attn._decode(q, group)
+    out = decode(path, attn, q, tables, seq_lens)
     ref = []
     for b, n in enumerate(seq_lens.tolist()):
         k = attn.k_cache[:, tables[b]].reshape(KV_HEADS, -1, HEAD_DIM)[:, max(0, n - window):n].float()

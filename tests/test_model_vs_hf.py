@@ -76,7 +76,7 @@ def test_head_size_the_native_kernel_cannot_tile_decodes_on_the_pytorch_path(llm
     equality meaningless)."""
     hf_model = write_tiny_hf_model(tmp_path, llm.get_tokenizer(), "qwen2", hidden_size=96)
     tiny = LLM(model=str(tmp_path), kv_cache_memory=16 << 20)
-    assert tiny.llm_engine.model_config.head_dim == 24 and not tiny.llm_engine.model_runner.use_kernels
+    assert tiny.llm_engine.model_config.head_dim == 24 and tiny.llm_engine.model_runner.attention.name == "torch"
     ids = llm.get_tokenizer().encode(PROMPTS[0])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     out = tiny.generate({"prompt_token_ids": ids}, params)[0].outputs[0]

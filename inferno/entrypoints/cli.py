@@ -7,8 +7,8 @@ import uuid
 from dataclasses import MISSING, Field, fields
 from typing import get_args
 
-from inferno.config import (DTYPES, KV_CACHE_DTYPE_NAMES, PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS,
-                            EngineConfig, SpeculativeConfig)
+from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES, PER_CHANNEL,
+                            QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig, SpeculativeConfig)
 from inferno.engine.input_processor import PromptType
 from inferno.engine.llm_engine import LLMEngine
 from inferno.sampling_params import RequestOutputKind, SamplingParams
@@ -30,8 +30,10 @@ def speculative_config(text: str) -> SpeculativeConfig:
 # table adds short names, choices and help
 ENGINE_FLAGS: dict[str, dict] = {
     "model": dict(help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
+    "device": dict(choices=DEVICES, help="where the model runs (auto: CUDA when torch sees a GPU, else the CPU)"),
     "dtype": dict(choices=["auto", *DTYPES],
-                  help="activation dtype (auto: bfloat16 where the CPU has native bfloat16 GEMMs, else float32)"),
+                  help="activation dtype (auto: bfloat16 on GPUs and CPUs with native bfloat16 GEMMs, else "
+                       "float32)"),
     "quantization": dict(short="-q", choices=[*QUANTIZATION_METHODS, "none"],
                          help="weights: auto runs a GGUF file's quantized blocks as stored; none dequantizes them "
                               "to float; int8 / int4 quantize every projection (default: auto)"),
@@ -41,6 +43,10 @@ ENGINE_FLAGS: dict[str, dict] = {
                                  "model, at most --max-num-seqs sequences of --max-model-len tokens)"),
     "kv_cache_dtype": dict(choices=KV_CACHE_DTYPE_NAMES,
                            help="KV cache storage (auto: the model dtype; int8/fp8: per-token-per-head scales)"),
+    "gpu_memory_utilization": dict(help="CUDA: fraction of the GPU's memory for weights, activations and the KV "
+                                        "cache (default 0.9)"),
+    "attention_backend": dict(choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA; on the CPU the native "
+                                                               "kernel where it can run the model, else PyTorch"),
     "num_threads": dict(help="threads per rank (default: all cores, divided among the ranks)"),
     "tensor_parallel_size": dict(short="-tp", help="ranks that split every layer (Megatron-style tensor parallelism)"),
     "pipeline_parallel_size": dict(short="-pp", help="ranks that each run a contiguous stage of the layers"),

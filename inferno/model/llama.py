@@ -7,7 +7,7 @@ from torch import nn
 
 from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
-from inferno.layers.attention import Attention, AttentionMetadata
+from inferno.layers.attention import Attention
 from inferno.layers.mlp import MLP
 from inferno.layers.moe import SparseMoE
 from inferno.layers.norm import RMSNorm
@@ -41,7 +41,7 @@ class SelfAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window,
                               config.attn_logit_softcapping)
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.q_norm is not None and self.q_norm.weight.shape[0] != self.head_dim:  # norms over all heads
@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
         self.mlp = (SparseMoE(config, parallel) if moe is not None and layer not in moe.dense_layers
                     else MLP(config.hidden_size, config.intermediate_size, config.hidden_act, parallel))
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), rotations, meta)
         if self.pre_feedforward_layernorm is None:  # post_attention_layernorm is the feed-forward's input norm
             x = x + attn
@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
             return int(name.split(".", 2)[1]) in self.stage_layers
         return self.holds_head
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) for a flat batch of tokens, through this stage's layers;
         `hidden`: the previous stage's output (later stages), instead of embedding `input_ids`."""

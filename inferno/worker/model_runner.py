@@ -10,10 +10,8 @@ import torch
 
 from inferno.config import EngineConfig, ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
-from inferno.core.kv_blocks import cdiv
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from inferno.kernels import paged_attention
-from inferno.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows
+from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -34,7 +32,6 @@ DYNAMO_STANCE = threading.Lock()
 # the compile thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
 # starved for long by other processes, which would stall the serving thread waiting for the GIL
 COMPILE_NICENESS = 10
-DECODE_GROUP_SIZE = 32  # PyTorch path: decodes sorted by length are attended in groups padded to their longest
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -53,10 +50,6 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
         quantized_kv = engine_config.kv_cache_dtype != "auto"
-        # the native decode kernel reads float caches (a quantized cache is dequantized on the PyTorch path) in
-        # 16-wide chunks of a head, without soft-capping
-        self.use_kernels = (paged_attention() is not None and not quantized_kv and self.config.head_dim % 16 == 0
-                            and self.config.head_dim <= 256 and self.config.attn_logit_softcapping is None)
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # every request the scheduler has not finished
@@ -65,22 +58,26 @@ class ModelRunner:
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
         self.compiled_decode = None
         # (not MoE models: routing is data-dependent control flow, each step would break the graph)
-        compile_decode = (not engine_config.enforce_eager and self.use_kernels and parallel.world_size == 1
-                          and self.config.moe is None)
-        # one block beyond the pool when compiling: the warm-up's scratch, which no request can hold
-        self.scratch_block = num_blocks if compile_decode else None
-        self.num_cache_blocks = num_blocks + compile_decode
+        # one block beyond the pool: the warm-up's scratch, which no request can hold
+        self.scratch_block = num_blocks
+        self.num_cache_blocks = num_blocks + 1
+        self.attention = select_attention_backend(
+            engine_config.attention_backend, torch.device("cpu"), self.block_size, model.attention_layers[0].num_kv_heads,
+            self.num_cache_blocks, self.config.head_dim, self.config.sliding_window, quantized_kv,
+            self.config.attn_logit_softcapping)
+        compile_decode = (not engine_config.enforce_eager and self.attention.name == "cpu_kernel"
+                          and parallel.world_size == 1 and self.config.moe is None)
         # zeros, not garbage: masked-out slots are still multiplied by zero weights, and stale NaN/inf would turn
         # that into NaN. The OS zero-fills the pages on first touch, so start-up writes nothing.
         cache_dtype = KV_CACHE_DTYPES[engine_config.kv_cache_dtype] if quantized_kv else self.dtype
         for attn in model.attention_layers:
             shape = (attn.num_kv_heads, self.num_cache_blocks, self.block_size, self.config.head_dim)  # this rank's
+            attn.backend = self.attention
             attn.k_cache = lazily_zeroed(shape, cache_dtype)
             attn.v_cache = lazily_zeroed(shape, cache_dtype)
             if quantized_kv:
                 attn.k_scale = lazily_zeroed(shape[:-1], torch.float32)
                 attn.v_scale = lazily_zeroed(shape[:-1], torch.float32)
-        self.num_kv_heads = model.attention_layers[0].num_kv_heads
         self.compile_thread: threading.Thread | None = None
         if compile_decode:
             self.compile_thread = threading.Thread(target=self._compile_decode_step, name="inferno-compile-decode",
@@ -122,23 +119,19 @@ class ModelRunner:
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
         decodes = mb.decodes
-        input_ids, positions, slot_mapping = (torch.tensor(values, dtype=torch.long)
-                                              for values in (mb.input_ids, mb.positions, mb.slot_mapping))
+        input_ids, positions = (torch.tensor(values, dtype=torch.long) for values in (mb.input_ids, mb.positions))
         compiled = self.compiled_decode
         if compiled is not None and not mb.prefills and hidden is None and DYNAMO_STANCE.acquire(blocking=False):
             try:
-                group = self._decode_group(0, decodes)
-                return self._run_compiled_decode(compiled, input_ids, positions, slot_mapping, group.block_tables,
-                                                 group.seq_lens)
+                width = max(len(table) for _, table in decodes)
+                tables = torch.tensor([table + [0] * (width - len(table)) for _, table in decodes], dtype=torch.long)
+                seq_lens = torch.tensor([seq_len for seq_len, _ in decodes])
+                return self._run_compiled_decode(compiled, input_ids, positions, torch.tensor(mb.slot_mapping),
+                                                 tables, seq_lens)
             finally:
                 DYNAMO_STANCE.release()
-        group_size = max(len(decodes), 1) if self.use_kernels else DECODE_GROUP_SIZE
-        groups = [self._decode_group(i, decodes[i:i + group_size]) for i in range(0, len(decodes), group_size)]
-        prefills, start = [], len(decodes)
-        for n, num_computed, block_ids in mb.prefills:
-            prefills.append(self._prefill_chunk(start, n, num_computed, block_ids))
-            start += n
-        return self.model(input_ids, positions, AttentionMetadata(slot_mapping, groups, prefills), hidden)
+        meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills)
+        return self.model(input_ids, positions, meta, hidden)
 
     def _compile_decode_step(self) -> None:
         """The compile thread: build the decode graphs, then hand them to the serving thread (`compiled_decode`),
@@ -196,9 +189,8 @@ class ModelRunner:
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """The model over one decode token per request, attended through the native kernel (what gets compiled)."""
-        meta = AttentionMetadata(slot_mapping, [DecodeGroup(0, input_ids.shape[0], block_tables, seq_lens)], [])
-        return self.model(input_ids, positions, meta)
+        """The model over one decode token per request (what gets compiled)."""
+        return self.model(input_ids, positions, self.attention.decode_metadata(slot_mapping, block_tables, seq_lens))
 
     def sample(self, plan: StepPlan, logits: torch.Tensor | None,
                grammar_bitmask: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
@@ -241,36 +233,6 @@ class ModelRunner:
         emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
         for req, tokens in zip(plan.spec_requests, emitted):
             out.sampled_token_ids[req.request_id] = tokens
-
-    def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
-        return block_rows(block_ids, self.num_kv_heads, self.num_cache_blocks)
-
-    def _prefill_chunk(self, start: int, n: int, num_computed: int, block_ids: list[int]) -> PrefillChunk:
-        table = torch.tensor(block_ids[:cdiv(num_computed + n, self.block_size)], dtype=torch.long)
-        queries = torch.arange(num_computed, num_computed + n).unsqueeze(1)
-        keys = torch.arange(len(table) * self.block_size if num_computed else n).unsqueeze(0)
-        mask = keys <= queries if num_computed else None
-        window = self.config.sliding_window
-        window_mask = mask
-        if window is not None and num_computed + n > window:  # HF: a query sees keys q - window < k <= q
-            window_mask = (keys <= queries) & (keys > queries - window)
-        return PrefillChunk(start, start + n, num_computed, self._rows(table), mask, window_mask)
-
-    def _decode_group(self, start: int, decodes: list[tuple[int, list[int]]]) -> DecodeGroup:
-        """Block tables padded to the group's longest request (with block 0, masked out) and sequence lengths."""
-        seq_lens = torch.tensor([seq_len for seq_len, _ in decodes])
-        width = max(len(table) for _, table in decodes)
-        tables = torch.tensor([table + [0] * (width - len(table)) for _, table in decodes], dtype=torch.long)
-        group = DecodeGroup(start, start + len(decodes), tables, seq_lens)
-        if not self.use_kernels:
-            group.block_rows = self._rows(tables)
-            keys = torch.arange(width * self.block_size).unsqueeze(0)
-            group.mask = (keys < seq_lens.unsqueeze(1))[None, :, None, :]
-            group.window_mask = group.mask
-            if self.config.sliding_window is not None:
-                group.window_mask = group.mask & (keys >= (seq_lens - self.config.sliding_window).unsqueeze(1))[
-                    None, :, None, :]
-        return group
 
 
 def lower_thread_priority() -> None:

@@ -1,0 +1,50 @@
+"""What the PyTorch and native CPU backends know of a step: decode groups and prefill chunks of the flat batch.
+
+The cache of one layer is head-major, `[num_kv_heads, num_blocks, block_size, head_dim]`, so gathering a
+request's blocks yields K/V already laid out as `[kv_heads, tokens, head_dim]` for batched matmuls.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int  # first token of the chunk in the flat batch
+    end: int
+    num_computed_tokens: int  # tokens of this request already in the cache before the chunk
+    block_rows: torch.Tensor  # rows of the flattened cache holding this request's blocks (see block_rows)
+    mask: torch.Tensor | None  # [chunk, context] bool; None when there is no earlier context (plain causal)
+    window_mask: torch.Tensor | None = None  # the same limited to the sliding window (models that have one)
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    start: int  # decode tokens [start, end) of the flat batch
+    end: int
+    block_tables: torch.Tensor  # [end - start, width] long, padded with block 0
+    seq_lens: torch.Tensor  # [end - start] long
+    # PyTorch path only: [kv_heads * (end - start) * width] rows of the flattened cache (see block_rows) and
+    # [1, end - start, 1, width * block_size] bool: key position < seq_len
+    block_rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    window_mask: torch.Tensor | None = None  # mask limited to the sliding window (models that have one)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+
+
+def block_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Row indices into a cache viewed as [kv_heads * num_blocks, block_size * head_dim], head-major."""
+    heads = torch.arange(num_kv_heads, device=block_ids.device).unsqueeze(1)
+    return (heads * num_blocks + block_ids.view(1, -1)).view(-1)
+
+
+def gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, num_blocks, block_size, head_dim] -> [kv_heads, tokens, head_dim] (one 2-D row gather)."""
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
+    return cache.view(kv_heads * num_blocks, block_size * head_dim).index_select(0, rows).view(kv_heads, -1, head_dim)
