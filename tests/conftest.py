@@ -2,6 +2,11 @@
 import os
 from pathlib import Path
 
+# Without a GPU, the Triton kernels (the GPU backend's) run on CPU tensors under Triton's interpreter, which is chosen
+# as triton.language is imported (torch may import it): set before anything else.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
@@ -19,10 +24,6 @@ os.environ["INFERNO_ENFORCE_EAGER"] = "1"
 # The options of the float32 model: the GGUF file's weights dequantized (the default, quantization="auto", runs the
 # file's blocks natively, tests/test_gguf_native.py). Tests comparing with HF or across engines use it.
 FLOAT32 = {"quantization": None, "dtype": "float32"}
-# Without a GPU, the Triton kernels (the GPU backend's) run on CPU tensors under Triton's interpreter, which is chosen
-# when a kernel is defined: set before anything imports them.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -30,9 +30,9 @@ def hf_greedy(hf_model, ids: list[int]) -> tuple[list[int], list[float]]:
     return out.sequences[0, len(ids):].tolist(), gaps
 
 
-def assert_matches_hf(hf_model, llm: LLM, long_prompt: list[int], batch: list[list[int]]) -> None:
+def assert_matches_hf(hf_model, llm: LLM, long_prompt: list[int], batch: list[list[int]], **options) -> None:
     """Prefill logits of `long_prompt`; greedy tokens of `batch`, alone and together through a small cache with
-    small chunks (preempting)."""
+    small chunks (preempting); `options`: the engine options of `llm` beyond the float32 model."""
     with torch.inference_mode():
         ref = hf_model(torch.tensor([long_prompt])).logits[0]
     ours = prefill_logits(llm.llm_engine, long_prompt)
@@ -44,7 +44,7 @@ def assert_matches_hf(hf_model, llm: LLM, long_prompt: list[int], batch: list[li
     block_bytes = kv_bytes_per_block(engine.model_config, 16, torch.float32)
     longest = max(len(ids) for ids in batch) + MAX_TOKENS
     cramped = LLM(engine.model_path, dtype="float32", quantization=None, max_num_batched_tokens=32,
-                  kv_cache_memory=(longest // 16 + 2) * block_bytes)
+                  kv_cache_memory=(longest // 16 + 2) * block_bytes, **options)
     together = [out.outputs[0].token_ids for out in cramped.generate(
         [{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)]
     assert cramped.llm_engine.scheduler.num_preemptions > 0

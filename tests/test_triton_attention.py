@@ -99,3 +99,18 @@ def test_write_kv_fills_slots_and_skips_padding():
         if slot >= 0:
             assert torch.equal(flat_k[:, slot], k[t]) and torch.equal(flat_v[:, slot], v[t])
     assert int((flat_k != 0).any(-1).sum()) == 4 * KV_HEADS  # the padded row wrote nothing
+
+
+# gemma2: a sliding-window layer beside a global one, soft-capped scores, head size 16; qwen3: head size 32
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_model_on_the_triton_backend_matches_hf(tmp_path, arch):
+    """The whole model with every attention in the Triton kernels: prefill logits, greedy tokens alone, batched,
+    chunked and preempted (prefills over cached context), as HF transformers computes them."""
+    from inferno import LLM
+    from test_architectures import assert_matches_hf, prompts
+    from tiny_models import write_hf_model
+    hf_model = write_hf_model(tmp_path, arch)
+    llm = LLM(model=str(tmp_path), dtype="float32", quantization=None, kv_cache_memory=8 << 20,
+              attention_backend="triton")
+    assert llm.llm_engine.model_runner.attention.name == "triton"
+    assert_matches_hf(hf_model, llm, prompts([200])[0], prompts([5, 40, 70, 23]), attention_backend="triton")

@@ -94,8 +94,8 @@ def _decode_partition_kernel(
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qm, other=0.0)
     q = q.to(k_cache.dtype.element_ty)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     for start in range(lo - lo % BLOCK_N, hi, BLOCK_N):  # every tile holds at least one key of [lo, hi)
         pos = start + tl.arange(0, BLOCK_N)
         pm = (pos >= lo) & (pos < hi)
@@ -205,8 +205,8 @@ def _prefill_kernel(
         if window > 0:
             lo = tl.maximum(context + tile * BLOCK_M - window + 1, 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         for start in range(lo - lo % BLOCK_N, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pm = pos < hi
