@@ -251,6 +251,9 @@ class EngineConfig:
             # ("auto" falls back to float there, with a warning: model_loader.load_model)
             raise ValueError("quantization is not supported with tensor_parallel_size > 1 "
                              "(pipeline_parallel_size > 1 is: each stage quantizes its own layers)")
+        if self.device == "cuda" and self.quantization in ("int8", "int4"):
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU's kernels; on CUDA use 'auto' (a "
+                             "GGUF file's blocks are dequantized to the model dtype) or None")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
         spec = self.speculative_config

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from inferno.config import EngineConfig
 from inferno.distributed.parallel_state import ParallelRank
 
-# The model runs on the CPU, so its tensors travel over gloo; NCCL belongs with a CUDA model path.
-BACKEND = "gloo"
+# the model's tensors travel over NCCL between GPUs, over gloo between CPU processes (and the control group always)
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 # Ranks other than 0 wait for the next step on the control group for as long as the engine is idle.
 CONTROL_TIMEOUT = timedelta(days=365)
 
@@ -35,10 +35,11 @@ def init_process_groups(config: EngineConfig, rank: int | None = None,
     fail after `distributed_timeout` seconds; the control group waits for as long as the engine is idle."""
     timeout = timedelta(seconds=config.distributed_timeout)
     if store is None:
-        dist.init_process_group(BACKEND, init_method="env://", timeout=timeout)
+        dist.init_process_group(BACKENDS[config.device], init_method="env://", timeout=timeout)
         rank = dist.get_rank()
     else:
-        dist.init_process_group(BACKEND, store=store, rank=rank, world_size=config.world_size, timeout=timeout)
+        dist.init_process_group(BACKENDS[config.device], store=store, rank=rank, world_size=config.world_size,
+                                timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     tp_group = None

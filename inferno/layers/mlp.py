@@ -25,7 +25,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, self.gate_up_proj.shards[0], hidden_size, parallel,
                                            reduce)
         self.act = activation(hidden_act)
+        self.silu = hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu and gate_up.is_cuda:  # one Triton kernel
+            from inferno.kernels.triton_fused import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

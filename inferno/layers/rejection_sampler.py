@@ -26,13 +26,12 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, drafts: list[Dr
     Returns the tokens each request emits: its accepted drafts, then one resampled or bonus token."""
     logits, greedy = process_logits(logits, md)
     num_requests, max_k = len(drafts), max(len(d.token_ids) for d in drafts)
-    starts = torch.tensor([0] + [len(d.token_ids) + 1 for d in drafts[:-1]]).cumsum(0)
-    draft_ids = torch.zeros(num_requests, max_k, dtype=torch.long)
-    valid = torch.zeros(num_requests, max_k, dtype=torch.bool)
-    for i, d in enumerate(drafts):
-        draft_ids[i, :len(d.token_ids)] = torch.tensor(d.token_ids)
-        valid[i, :len(d.token_ids)] = True
-    rows = (starts.unsqueeze(1) + torch.arange(max_k)).clamp(max=logits.shape[0] - 1)  # p_j of each draft
+    device = logits.device
+    starts = torch.tensor([0] + [len(d.token_ids) + 1 for d in drafts[:-1]], device=device).cumsum(0)
+    draft_ids = torch.tensor([d.token_ids + [0] * (max_k - len(d.token_ids)) for d in drafts], device=device)
+    valid = torch.tensor([[True] * len(d.token_ids) + [False] * (max_k - len(d.token_ids)) for d in drafts],
+                         device=device)
+    rows = (starts.unsqueeze(1) + torch.arange(max_k, device=device)).clamp(max=logits.shape[0] - 1)  # p_j
     is_greedy = md.temperature[starts] == 0
     accepted = greedy[rows] == draft_ids
     probs = None
@@ -40,13 +39,13 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, drafts: list[Dr
         probs = logits.softmax(dim=-1)
         p = probs[rows, draft_ids]
         q = torch.ones_like(p)
-        uniform = torch.rand(num_requests, max_k)
+        uniform = torch.rand(num_requests, max_k, device=device)
         for i, d in enumerate(drafts):
             k = len(d.token_ids)
             if d.probs is not None:
-                q[i, :k] = d.probs[torch.arange(k), draft_ids[i, :k]]
+                q[i, :k] = d.probs.to(device)[torch.arange(k, device=device), draft_ids[i, :k]]
             if d.generator is not None:
-                uniform[i, :k] = torch.rand(k, generator=d.generator)
+                uniform[i, :k] = torch.rand(k, generator=d.generator, device=device)
         accepted = torch.where(is_greedy.unsqueeze(1), accepted, uniform * q < p)  # u < p / q
     num_accepted = (accepted & valid).int().cumprod(dim=1).sum(dim=1)
     final_rows = starts + num_accepted
@@ -70,7 +69,7 @@ def _sample_final(probs: torch.Tensor, final_rows: torch.Tensor, num_accepted: t
             if d.probs is None:
                 residual[row, d.token_ids[j]] = 0.0
             else:
-                residual[row] = (target[row] - d.probs[j]).clamp_(min=0.0)
+                residual[row] = (target[row] - d.probs[j].to(target.device)).clamp_(min=0.0)
         if d.generator is not None:
             generators[row] = d.generator
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q up to rounding: any token of p is right

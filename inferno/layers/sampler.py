@@ -41,22 +41,22 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None
 
 
-def token_counts(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
+def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[len(rows), vocab] counts of each token id per row."""
     width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), vocab_size, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    counts = torch.zeros(len(rows), vocab_size + 1)
+    ids = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.long,
+                       device=device).view(len(rows), width)
+    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab_size]
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
     """Tokens a row's grammar does not allow get -inf (before any sampling parameter sees the logits)."""
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    bitmask = bitmask.to(logits.device)
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
     allowed = bits.flatten(1)[:, :logits.shape[1]].bool()
-    index = torch.tensor(rows, dtype=torch.long)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, NEG_INF)
     return logits
 
@@ -69,11 +69,11 @@ def allowed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    rows = torch.tensor(md.penalty_rows, dtype=torch.long)
+    rows = torch.tensor(md.penalty_rows, dtype=torch.long, device=logits.device)
     sub = logits[rows]
     vocab = logits.shape[1]
-    output_counts = token_counts(md.output_token_ids, vocab)
-    seen = (token_counts(md.prompt_token_ids, vocab) > 0) | (output_counts > 0)
+    output_counts = token_counts(md.output_token_ids, vocab, logits.device)
+    seen = (token_counts(md.prompt_token_ids, vocab, logits.device) > 0) | (output_counts > 0)
     rep = md.repetition_penalty.unsqueeze(1)
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub -= md.frequency_penalty.unsqueeze(1) * output_counts

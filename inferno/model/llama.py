@@ -51,8 +51,12 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim:  # per-head norms
             q, k = self.q_norm(q), self.k_norm(k)
-        qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if q.is_cuda:  # in place, one Triton kernel each
+            from inferno.kernels.triton_fused import rotary_
+            q, k = rotary_(q, rotations), rotary_(k, rotations)
+        else:
+            qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -73,8 +77,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), rotations, meta)
         if self.pre_feedforward_layernorm is None:  # post_attention_layernorm is the feed-forward's input norm
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
+            h, x = self.post_attention_layernorm.add_and_norm(attn, x)
+            return x + self.mlp(h)
         # Gemma: norms on both sides of the attention and of the feed-forward block
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -107,6 +111,14 @@ class LlamaForCausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[Attention]:
         return [self.layers[i].self_attn.attn for i in self.stage_layers]
+
+    def to_device(self, device: torch.device) -> "LlamaForCausalLM":
+        """Parameters and the rotary tables on `device`."""
+        self.to(device)
+        for rotary in (self.rotary, self.local_rotary):
+            if rotary is not None:
+                rotary.cos_sin_cache = rotary.cos_sin_cache.to(device)
+        return self
 
     def holds(self, name: str) -> bool:
         """Whether checkpoint tensor `name` (without the `model.` prefix) belongs to this pipeline stage."""

@@ -10,6 +10,7 @@ import torch
 
 from inferno.config import EngineConfig, ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
+from inferno.core.kv_blocks import cdiv
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
@@ -20,6 +21,7 @@ from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.pipeline import run_first_stage, run_later_stage
 from inferno.worker.cpu_malloc import keep_freed_memory
+from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.request_state import CachedRequestState, update_states
 
@@ -43,8 +45,9 @@ class ModelRunner:
     """One rank's model, KV cache shard and request states; `execute_model` runs a step on it."""
 
     def __init__(self, model: LlamaForCausalLM, engine_config: EngineConfig, num_blocks: int,
-                 parallel: ParallelRank = SINGLE):
+                 parallel: ParallelRank = SINGLE, device: torch.device = torch.device("cpu")):
         self.model = model
+        self.device = device
         self.config = model.config
         self.parallel = parallel
         self.block_size = engine_config.block_size
@@ -62,27 +65,39 @@ class ModelRunner:
         self.scratch_block = num_blocks
         self.num_cache_blocks = num_blocks + 1
         self.attention = select_attention_backend(
-            engine_config.attention_backend, torch.device("cpu"), self.block_size, model.attention_layers[0].num_kv_heads,
+            engine_config.attention_backend, device, self.block_size, model.attention_layers[0].num_kv_heads,
             self.num_cache_blocks, self.config.head_dim, self.config.sliding_window, quantized_kv,
             self.config.attn_logit_softcapping)
         compile_decode = (not engine_config.enforce_eager and self.attention.name == "cpu_kernel"
                           and parallel.world_size == 1 and self.config.moe is None)
         # zeros, not garbage: masked-out slots are still multiplied by zero weights, and stale NaN/inf would turn
-        # that into NaN. The OS zero-fills the pages on first touch, so start-up writes nothing.
+        # that into NaN. On the CPU the OS zero-fills the pages on first touch, so start-up writes nothing.
         cache_dtype = KV_CACHE_DTYPES[engine_config.kv_cache_dtype] if quantized_kv else self.dtype
         for attn in model.attention_layers:
             shape = (attn.num_kv_heads, self.num_cache_blocks, self.block_size, self.config.head_dim)  # this rank's
             attn.backend = self.attention
-            attn.k_cache = lazily_zeroed(shape, cache_dtype)
-            attn.v_cache = lazily_zeroed(shape, cache_dtype)
+            attn.k_cache = self._zeros(shape, cache_dtype)
+            attn.v_cache = self._zeros(shape, cache_dtype)
             if quantized_kv:
-                attn.k_scale = lazily_zeroed(shape[:-1], torch.float32)
-                attn.v_scale = lazily_zeroed(shape[:-1], torch.float32)
+                attn.k_scale = self._zeros(shape[:-1], torch.float32)
+                attn.v_scale = self._zeros(shape[:-1], torch.float32)
+        # GPU: decode-only steps replay CUDA graphs captured now (single rank; MoE routing is data-dependent)
+        self.decode_graphs = None
+        if (device.type == "cuda" and not engine_config.enforce_eager and self.attention.name == "triton"
+                and parallel.world_size == 1 and self.config.moe is None):
+            max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
+            self.decode_graphs = DecodeGraphs(self._decode_forward, engine_config.max_num_seqs,
+                                              cdiv(max_model_len, self.block_size), self.scratch_block, device)
         self.compile_thread: threading.Thread | None = None
         if compile_decode:
             self.compile_thread = threading.Thread(target=self._compile_decode_step, name="inferno-compile-decode",
                                                    daemon=True)
             self.compile_thread.start()
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return lazily_zeroed(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def wait_for_compiled_decode(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True if decode steps now run compiled."""
@@ -94,7 +109,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step on this rank: its requests brought up to date, the flat batches planned (every rank alike, one
         micro-batch per pipeline stage), the forward pass; rank 0 samples and returns the output."""
-        update_states(self.requests, sched)
+        update_states(self.requests, sched, self.device)
         plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
         logits = self.run_step(plan.step)
         return self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
@@ -103,13 +118,13 @@ class ModelRunner:
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Logits [step.num_logit_rows, vocab] on rank 0; None on the other ranks."""
         if step.block_copies:
-            sources, destinations = torch.tensor(step.block_copies, dtype=torch.long).unbind(1)
+            sources, destinations = torch.tensor(step.block_copies, dtype=torch.long, device=self.device).unbind(1)
             for attn in self.model.attention_layers:
                 attn.copy_blocks(sources, destinations)
         if self.parallel.pp_size == 1:
             hidden = [self.forward(mb)[mb.logit_rows] for mb in step.micro_batches]
             return self.model.compute_logits(torch.cat(hidden)) if step.num_logit_rows else None
-        stage = (self.forward, step, self.parallel, self.config.hidden_size, self.dtype)
+        stage = (self.forward, step, self.parallel, self.config.hidden_size, self.dtype, self.device)
         if not self.parallel.is_first_stage:
             run_later_stage(*stage)
             return None
@@ -119,7 +134,12 @@ class ModelRunner:
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
         decodes = mb.decodes
-        input_ids, positions = (torch.tensor(values, dtype=torch.long) for values in (mb.input_ids, mb.positions))
+        if self.decode_graphs is not None and not mb.prefills and hidden is None:
+            out = self.decode_graphs.run(mb.input_ids, mb.positions, mb.slot_mapping, decodes)
+            if out is not None:
+                return out
+        input_ids, positions = (torch.tensor(values, dtype=torch.long, device=self.device)
+                                for values in (mb.input_ids, mb.positions))
         compiled = self.compiled_decode
         if compiled is not None and not mb.prefills and hidden is None and DYNAMO_STANCE.acquire(blocking=False):
             try:
@@ -200,7 +220,7 @@ class ModelRunner:
         requests = plan.sample_requests
         if requests:
             md = sampling_metadata([(r, []) for r in requests], self.config.vocab_size,
-                                   [bitmasks.get(r.request_id) for r in requests])
+                                   [bitmasks.get(r.request_id) for r in requests], self.device)
             result = self.sampler(logits[plan.sample_rows], md)
             sampled = result.sampled_token_ids.tolist()
             for i, req in enumerate(requests):
@@ -215,7 +235,8 @@ class ModelRunner:
             self._verify_drafts(plan, logits, out, bitmasks)
         for req, rows, targets in plan.prompt_logprob_rows:
             logprobs = logits[rows].log_softmax(dim=-1)
-            result = gather_logprobs(logprobs, torch.tensor(targets), req.sampling_params.prompt_logprobs)
+            result = gather_logprobs(logprobs, torch.tensor(targets, device=self.device),
+                                     req.sampling_params.prompt_logprobs)
             out.prompt_logprobs.setdefault(req.request_id, []).extend(zip(
                 result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
         return out
@@ -229,7 +250,7 @@ class ModelRunner:
             drafts.append(Drafts(tokens, probs, req.generator))
             bitmask = bitmasks.get(req.request_id)
             row_bitmasks.extend([None] * (len(tokens) + 1) if bitmask is None else bitmask)
-        md = sampling_metadata(metadata_rows, self.config.vocab_size, row_bitmasks)
+        md = sampling_metadata(metadata_rows, self.config.vocab_size, row_bitmasks, self.device)
         emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
         for req, tokens in zip(plan.spec_requests, emitted):
             out.sampled_token_ids[req.request_id] = tokens
@@ -265,12 +286,14 @@ class SamplingState(Protocol):
 
 
 def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: int,
-                      bitmasks: list[torch.Tensor | None] | None = None) -> SamplingMetadata:
+                      bitmasks: list[torch.Tensor | None] | None = None,
+                      device: torch.device = torch.device("cpu")) -> SamplingMetadata:
     """One row per (request, draft tokens before the position): penalties and min_tokens see the output so far
-    plus those drafts. `bitmasks`: per row, the tokens its grammar allows (None: unconstrained)."""
+    plus those drafts. `bitmasks`: per row, the tokens its grammar allows (None: unconstrained). Tensors on
+    `device`, the logits'."""
     requests = [r for r, _ in rows]
     params = [r.sampling_params for r in requests]
-    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device)
     penalty_rows = [i for i, p in enumerate(params)
                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
     banned = {}
@@ -284,10 +307,12 @@ def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: i
         values = [getattr(p, name) for p in params]
         if name == "top_k":
             values = [min(k, vocab_size) for k in values]
-        return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype)
+        return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype, device=device)
 
     def penalty(name: str) -> torch.Tensor | None:
-        return torch.tensor([getattr(params[i], name) for i in penalty_rows]) if penalty_rows else None
+        if not penalty_rows:
+            return None
+        return torch.tensor([getattr(params[i], name) for i in penalty_rows], device=device)
 
     return SamplingMetadata(
         temperature=temperature,

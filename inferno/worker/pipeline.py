@@ -17,22 +17,22 @@ StageForward = Callable[[MicroBatch, torch.Tensor | None], torch.Tensor]
 
 
 def run_first_stage(forward: StageForward, step: StepInput, parallel: ParallelRank, hidden_size: int,
-                    dtype: torch.dtype) -> Iterator[torch.Tensor]:
+                    dtype: torch.dtype, device: torch.device) -> Iterator[torch.Tensor]:
     """Embed and run the first layers of each micro-batch, send them on; then yield the final hidden states of each
     micro-batch's logit rows as the last stage returns them."""
     sends = [parallel.send(forward(mb, None), 1, tag=i) for i, mb in enumerate(step.micro_batches)]
     for i, mb in enumerate(step.micro_batches):
         if mb.logit_rows:
-            hidden = torch.empty(len(mb.logit_rows), hidden_size, dtype=dtype)
+            hidden = torch.empty(len(mb.logit_rows), hidden_size, dtype=dtype, device=device)
             yield parallel.recv(hidden, parallel.pp_size - 1, tag=i)
     parallel.wait(sends)
 
 
 def run_later_stage(forward: StageForward, step: StepInput, parallel: ParallelRank, hidden_size: int,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, device: torch.device) -> None:
     sends = []
     for i, mb in enumerate(step.micro_batches):
-        hidden = torch.empty(len(mb.input_ids), hidden_size, dtype=dtype)
+        hidden = torch.empty(len(mb.input_ids), hidden_size, dtype=dtype, device=device)
         hidden = forward(mb, parallel.recv(hidden, parallel.pp_rank - 1, tag=i))
         if not parallel.is_last_stage:
             sends.append(parallel.send(hidden, parallel.pp_rank + 1, tag=i))

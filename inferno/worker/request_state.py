@@ -21,20 +21,21 @@ class CachedRequestState(TokenCounts):
     num_prompt_logprobs: int  # prompt positions scored so far (the first one, which has no logprob, counts)
 
     @classmethod
-    def from_new(cls, data: NewRequestData) -> "CachedRequestState":
+    def from_new(cls, data: NewRequestData, device: torch.device) -> "CachedRequestState":
         params = data.sampling_params
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
         return cls(data.req_id, list(data.prompt_token_ids), data.prompt_token_ids + data.output_token_ids, params,
                    data.eos_token_ids, list(data.block_ids), data.num_computed_tokens, generator,
                    int(params.prompt_logprobs is not None))
 
 
-def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
+def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
+                  device: torch.device = torch.device("cpu")) -> None:
     """Bring the worker's requests up to the step: drop finished ones, add new ones, apply the changes."""
     for rid in sched.finished_req_ids:
         states.pop(rid, None)
     for data in sched.scheduled_new_reqs:
-        states[data.req_id] = CachedRequestState.from_new(data)
+        states[data.req_id] = CachedRequestState.from_new(data, device)
     cached = sched.scheduled_cached_reqs
     for rid, tokens, blocks, reset, num_computed in zip(cached.req_ids, cached.new_token_ids, cached.new_block_ids,
                                                         cached.reset_block_ids, cached.num_computed_tokens):

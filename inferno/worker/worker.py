@@ -1,4 +1,7 @@
 """One rank: loads (and quantizes) its shard of the model and owns its ModelRunner and KV cache shard."""
+import dataclasses
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -7,8 +10,11 @@ from inferno.core.scheduler_output import SchedulerOutput
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.core.kv_blocks import cdiv
 from inferno.loader.model_loader import load_model, read_model_config
+from inferno.worker.gpu_memory import GIB, kv_cache_budget, measure_peak_memory, profile_step
 from inferno.worker.kv_cache import auto_num_blocks
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger("inferno")
 
 
 def kv_block_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -39,20 +45,58 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, block_bytes: 
     return num_blocks
 
 
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """CUDA: one GPU per rank (rank i on GPU i of its machine); else the CPU."""
+    if config.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 class Worker:
     def __init__(self, config: EngineConfig, parallel: ParallelRank = SINGLE):
-        loaded = load_model(config.model, config.torch_dtype, parallel, config.quantization,
-                            config.quantization_group_size)
+        self.device = rank_device(config, parallel.rank)
+        quantization = config.quantization
+        if self.device.type == "cuda" and quantization == "auto":
+            # the int4/int8 kernels are the CPU's: on a GPU a GGUF file's quantized blocks become the model dtype
+            quantization = None
+        loaded = load_model(config.model, config.torch_dtype, parallel, quantization, config.quantization_group_size)
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_block_bytes = kv_block_bytes(config, loaded.config)
-        self.num_blocks = num_kv_blocks(config, loaded.config, self.kv_block_bytes)
+        if self.device.type == "cuda":
+            loaded.model.to_device(self.device)
+            self.num_blocks = self._gpu_num_blocks(config, loaded.model, parallel)
+        else:
+            self.num_blocks = num_kv_blocks(config, loaded.config, self.kv_block_bytes)
         if config.kv_cache_memory is None and parallel.world_size > 1:  # every rank must hold the same block ids
-            count = torch.tensor([self.num_blocks])
+            count = torch.tensor([self.num_blocks], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             self.num_blocks = int(count)
-        self.model_runner = ModelRunner(loaded.model, config, self.num_blocks, parallel)
+        self.model_runner = ModelRunner(loaded.model, config, self.num_blocks, parallel, self.device)
+
+    def _gpu_num_blocks(self, config: EngineConfig, model, parallel: ParallelRank) -> int:
+        """`kv_cache_memory` bytes' worth, or what gpu_memory_utilization leaves after a profiling step."""
+        if config.kv_cache_memory is not None:
+            return num_kv_blocks(config, self.model_config, self.kv_block_bytes)
+        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        step, blocks = profile_step(config.max_num_batched_tokens, max_model_len, config.max_num_seqs,
+                                    config.block_size)
+        runner = ModelRunner(model, dataclasses.replace(config, enforce_eager=True), blocks, parallel, self.device)
+        peak, others = measure_peak_memory(lambda: runner.run_step(step), self.device)
+        for attn in model.attention_layers:  # the profiling cache goes (its bytes counted in the peak: a margin)
+            attn.k_cache = attn.v_cache = attn.k_scale = attn.v_scale = None
+        del runner
+        torch.cuda.empty_cache()
+        budget = kv_cache_budget(torch.cuda.mem_get_info(self.device)[1], others, peak,
+                                 config.gpu_memory_utilization)
+        useful = config.max_num_seqs * cdiv(max_model_len, config.block_size)
+        num_blocks = min(budget // self.kv_block_bytes, useful)
+        logger.info("GPU memory: weights and peak activations %.2f GiB, KV cache %.2f GiB (%d blocks)", peak / GIB,
+                    num_blocks * self.kv_block_bytes / GIB, num_blocks)
+        return num_blocks
 
     def serve(self, control_group: dist.ProcessGroup) -> None:
         """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts None (shutdown)."""
