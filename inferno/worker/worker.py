@@ -8,6 +8,7 @@ from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.core.kv_blocks import cdiv
 from inferno.loader.model_loader import load_model, read_model_config
 from inferno.worker.kv_cache import auto_num_blocks
+from inferno.worker.kv_connector import KVConnector
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 
@@ -53,6 +54,9 @@ class Worker:
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             self.num_blocks = int(count)
         self.model_runner = ModelRunner(loaded.model, config, self.num_blocks, parallel)
+        self.kv_connector = None if config.kv_role is None else KVConnector(
+            self.model_runner.kv_caches(), config.kv_role, config.kv_host, config.kv_port,
+            config.kv_transfer_backend, config.kv_transfer_timeout)
 
     def serve(self, control_group: dist.ProcessGroup) -> None:
         """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts None (shutdown)."""
