@@ -31,14 +31,14 @@ def single():
 @pytest.fixture(scope="module")
 def prefill():
     server = RemoteServer(*COMMON, "--kv-role", "prefill", "--kv-port", str(free_port()),
-                          "--kv-transfer-timeout", "5")
+                          "--kv-transfer-timeout", "8")
     yield server
     server.close()
 
 
 @pytest.fixture(scope="module")
 def decode():
-    server = RemoteServer(*COMMON, "--kv-role", "decode", "--kv-transfer-timeout", "5")
+    server = RemoteServer(*COMMON, "--kv-role", "decode", "--kv-transfer-timeout", "8")
     yield server
     server.close()
 
@@ -213,7 +213,7 @@ def test_prefill_frees_blocks_nobody_pulls_after_its_timeout(prefill):
     httpx.post(f"{prefill.url}/v1/completions", timeout=60, json={
         "prompt": PROMPTS[2], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).raise_for_status()
     assert prefill.metrics()["inferno:kv_cache_usage_perc"] > 0  # held for a decode instance
-    prefill.wait_for_idle_engine(timeout=15)  # --kv-transfer-timeout 5
+    prefill.wait_for_idle_engine(timeout=20)  # --kv-transfer-timeout 8
     assert prefill.metrics()[FAILURES] == before[FAILURES] + 1
 
 

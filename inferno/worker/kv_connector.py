@@ -8,11 +8,12 @@ blocks the engine allocated for the request. Both threads run beside the engine'
 write belong to no running request. Results come back through `take_finished`.
 
 Wire format, on a pair's group: decode -> prefill [transfer id, first block]; prefill -> decode [number of
-blocks, or -1 for a transfer it does not hold]; then per KV tensor (layer by layer: K, V and, for a quantized
-cache, their scales) the blocks as one [heads, blocks, ...] tensor, sent as its bytes (any cache dtype).
+blocks, or -1 for a transfer it does not hold]; then one message of bytes (any cache dtype): per KV tensor, layer
+by layer (K, V and, for a quantized cache, their scales), the blocks as a [heads, blocks, ...] tensor.
 """
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -92,12 +93,9 @@ class KVConnector:
     def _send_blocks(self, group: dist.ProcessGroup, block_ids: list[int]) -> int:
         send_ints(group, [len(block_ids)], DECODE_RANK, self.timeout)
         index = torch.tensor(block_ids, dtype=torch.long)
-        num_bytes = 0
-        for cache in self.kv_caches:
-            blocks = cache.index_select(1, index)
-            send_tensor(group, blocks.view(torch.uint8), DECODE_RANK, self.timeout)
-            num_bytes += blocks.numel() * blocks.element_size()
-        return num_bytes
+        payload = torch.cat([cache.index_select(1, index).view(torch.uint8).flatten() for cache in self.kv_caches])
+        send_tensor(group, payload, DECODE_RANK, self.timeout)
+        return payload.numel()
 
     # decode side
     def start_pull(self, pull: KVPull) -> None:
@@ -125,13 +123,13 @@ class KVConnector:
         if num_blocks != len(pull.block_ids):
             raise ValueError(f"the prefill instance sends {num_blocks} blocks, {len(pull.block_ids)} expected")
         index = torch.tensor(pull.block_ids, dtype=torch.long)
-        num_bytes = 0
-        for cache in self.kv_caches:
-            blocks = cache.new_empty((cache.shape[0], num_blocks, *cache.shape[2:]))
-            recv_tensor(group, blocks.view(torch.uint8), PREFILL_RANK, self.timeout)
-            cache.index_copy_(1, index, blocks)
-            num_bytes += blocks.numel() * blocks.element_size()
-        return num_bytes
+        shapes = [(cache.shape[0], num_blocks, *cache.shape[2:]) for cache in self.kv_caches]
+        sizes = [math.prod(shape) * cache.element_size() for shape, cache in zip(shapes, self.kv_caches)]
+        payload = torch.empty(sum(sizes), dtype=torch.uint8)
+        recv_tensor(group, payload, PREFILL_RANK, self.timeout)
+        for cache, shape, blocks in zip(self.kv_caches, shapes, payload.split(sizes)):
+            cache.index_copy_(1, index, blocks.view(cache.dtype).view(shape))
+        return payload.numel()
 
     def _peer(self, host: str, port: int) -> dist.ProcessGroup:
         group = self._peers.get((host, port))
