@@ -2,9 +2,9 @@
 
 Prefill side: the engine `hold`s a finished prompt's blocks under a transfer id; a thread per paired decode
 instance waits for pull requests (transfer id, first block wanted) and sends those blocks, layer by layer, then
-reports the transfer finished so the engine frees them. Decode side: the engine queues `KVPull`s; one transfer
-thread pairs with each prefill instance it is sent to, asks for the blocks it lacks and receives them into the
-blocks the engine allocated for the request. Both threads run beside the engine's steps; the blocks they read or
+reports the transfer finished so the engine frees them. Decode side: the engine queues `KVPull`s; a transfer
+thread per prefill instance pairs with it, asks for the blocks it lacks and receives them into the blocks the
+engine allocated for the request. Both threads run beside the engine's steps; the blocks they read or
 write belong to no running request. Results come back through `take_finished`.
 
 Wire format, on a pair's group: decode -> prefill [transfer id, first block]; prefill -> decode [number of
@@ -44,9 +44,7 @@ class KVConnector:
             self._held: dict[int, list[int]] = {}  # transfer id -> blocks, until a decode instance pulls them
             self.listener = KVListener(host, port, backend, self.layout, timeout, self._start_serving)
         else:
-            self._pulls: queue.SimpleQueue[KVPull] = queue.SimpleQueue()
-            self._peers: dict[tuple[str, int], dist.ProcessGroup] = {}
-            threading.Thread(target=self._pull_loop, name="inferno-kv-pull", daemon=True).start()
+            self._pulls: dict[tuple[str, int], queue.SimpleQueue[KVPull]] = {}  # per prefill instance
 
     def take_finished(self) -> list[KVTransferResult]:
         with self._lock:
@@ -99,23 +97,29 @@ class KVConnector:
 
     # decode side
     def start_pull(self, pull: KVPull) -> None:
-        self._pulls.put(pull)
+        """Queue a pull on its prefill instance's thread (a dead or slow peer holds up only its own pulls)."""
+        address = (pull.host, pull.port)
+        if address not in self._pulls:
+            self._pulls[address] = queue.SimpleQueue()
+            threading.Thread(target=self._pull_loop, args=(address,), name="inferno-kv-pull", daemon=True).start()
+        self._pulls[address].put(pull)
 
-    def _pull_loop(self) -> None:
+    def _pull_loop(self, address: tuple[str, int]) -> None:
+        group = None
         while True:
-            pull = self._pulls.get()
+            pull = self._pulls[address].get()
             start = time.perf_counter()
             try:
-                num_bytes = self._pull(pull)
-            except Exception as e:  # one failed transfer fails its request, not the thread
-                self._peers.pop((pull.host, pull.port), None)
+                group = group or connect(*address, self.backend, self.layout, self.timeout.total_seconds())
+                num_bytes = self._pull(group, pull)
+            except Exception as e:  # one failed transfer fails its request, not the thread; the next one pairs again
+                group = None
                 self._report(KVTransferResult(pull.req_id, f"pulling the KV cache from {pull.host}:{pull.port} "
                                                            f"failed: {type(e).__name__}: {e}"))
                 continue
             self._report(KVTransferResult(pull.req_id, None, num_bytes, time.perf_counter() - start))
 
-    def _pull(self, pull: KVPull) -> int:
-        group = self._peer(pull.host, pull.port)
+    def _pull(self, group: dist.ProcessGroup, pull: KVPull) -> int:
         send_ints(group, [pull.transfer_id, pull.first_block], PREFILL_RANK, self.timeout)
         (num_blocks,) = recv_ints(group, 1, PREFILL_RANK, self.timeout)
         if num_blocks == UNKNOWN_TRANSFER:
@@ -130,10 +134,3 @@ class KVConnector:
         for cache, shape, blocks in zip(self.kv_caches, shapes, payload.split(sizes)):
             cache.index_copy_(1, index, blocks.view(cache.dtype).view(shape))
         return payload.numel()
-
-    def _peer(self, host: str, port: int) -> dist.ProcessGroup:
-        group = self._peers.get((host, port))
-        if group is None:
-            group = self._peers[(host, port)] = connect(host, port, self.backend, self.layout,
-                                                        self.timeout.total_seconds())
-        return group
