@@ -10,6 +10,11 @@ import httpx
 import openai
 import pytest
 
+from conftest import assert_all_blocks_free
+from inferno.config import EngineConfig
+from inferno.core.kv_transfer import KVTransferParams
+from inferno.engine.llm_engine import LLMEngine
+from inferno.sampling_params import SamplingParams
 from test_server import RemoteServer
 
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
@@ -245,3 +250,21 @@ def wait_for_health(server: RemoteServer, status: int, timeout: float = 10) -> d
             return response.json()
         time.sleep(0.1)
     pytest.fail(f"{server.url}/health did not answer {status} within {timeout} s")
+
+
+def test_error_fallback_fails_the_request_and_frees_its_blocks():
+    engine = LLMEngine(EngineConfig(kv_role="decode", kv_transfer_fallback="error", kv_transfer_timeout=1,
+                                    kv_cache_memory=16 << 20, max_model_len=256, num_threads=1))
+    try:
+        prompt = list(range(100, 140))
+        kv = KVTransferParams(remote_host="127.0.0.1", remote_port=free_port(), transfer_id=1,
+                              num_prompt_tokens=len(prompt), first_token_id=0)
+        engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, kv_transfer_params=kv))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert "could not be transferred" in outputs[-1].error and outputs[-1].finished
+        assert engine.scheduler.num_computed_prompt_tokens == 0
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
