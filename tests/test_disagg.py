@@ -224,9 +224,10 @@ def test_prefill_frees_blocks_nobody_pulls_after_its_timeout(prefill):
 
 def test_decode_killed_mid_transfer_frees_the_prefill_blocks_and_the_proxy_stops_using_it(proxy, prefill, decode):
     answers = []
-    request = threading.Thread(target=lambda: answers.append(httpx.post(f"{proxy.url}/v1/completions", timeout=60, json={
-        "prompt": "Tell me a long story about the sea. " * 12, "max_tokens": 200, "stream": True,
-        "ignore_eos": True})))
+    body = {"prompt": "Tell me a long story about the sea. " * 12, "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    request = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{proxy.url}/v1/completions", timeout=60, json=body)))
     request.start()
     deadline = time.monotonic() + 30
     while prefill.metrics()["inferno:kv_cache_usage_perc"] == 0 and time.monotonic() < deadline:

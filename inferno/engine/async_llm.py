@@ -324,7 +324,8 @@ class AsyncLLM:
 
     def _record_stats(self, outputs: list[RequestOutput], ended: dict[str, str]) -> None:
         """Before the outputs are handed over, so a client that got its answer sees it counted."""
-        scheduler, kv_cache, kv_transfers = self.engine.scheduler, self.engine.kv_cache_manager, self.engine.kv_transfers
+        scheduler, kv_cache = self.engine.scheduler, self.engine.kv_cache_manager
+        kv_transfers = self.engine.kv_transfers
         stats = SchedulerStats(num_running_reqs=len(scheduler.running), num_waiting_reqs=len(scheduler.waiting),
                                kv_cache_usage=self.engine.kv_cache_usage,
                                num_preemptions=scheduler.num_preemptions,
