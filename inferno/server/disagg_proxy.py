@@ -207,7 +207,11 @@ def build_proxy_app(proxy: DisaggProxy) -> FastAPI:
         if decode is None:
             raise OpenAIError("no healthy decode instance", status_code=503, type="server_error")
         headers = {k: v for k, v in raw_request.headers.items() if k in FORWARDED_HEADERS}
-        response = await proxy.client.get(f"{decode.url}/v1/models", headers=headers)
+        try:
+            response = await proxy.client.get(f"{decode.url}/v1/models", headers=headers)
+        except httpx.HTTPError as e:
+            proxy.decodes.mark(decode, False, f"{type(e).__name__}: {e}")
+            raise OpenAIError("the decode instance could not be reached", status_code=503, type="server_error") from e
         return Response(response.content, status_code=response.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
