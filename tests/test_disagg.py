@@ -159,6 +159,7 @@ def test_prefix_cache_hits_on_both_sides_and_decode_pulls_only_the_missing_block
 
 
 def test_bad_input_through_the_proxy_is_a_400_with_openai_error_body(proxy):
+    assert [m.id for m in proxy.client().models.list()] == [MODEL_NAME]
     with pytest.raises(openai.BadRequestError) as error:
         complete(proxy, top_p=0)
     assert error.value.status_code == 400 and error.value.body["type"] == "invalid_request_error"
