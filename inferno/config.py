@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
 from inferno.cpu_features import has_native_bfloat16
 
 
@@ -206,6 +207,14 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     distributed_timeout: float = 60.0  # seconds a rank waits in a collective inside a step before failing
     speculative_config: dict | SpeculativeConfig | None = None  # a dict as in vLLM; parsed on creation
+    # disaggregated prefill and decode (core/kv_transfer.py): "prefill" computes prompts and holds their KV for
+    # decode instances, which pull it from (kv_host, kv_port); None: a colocated instance
+    kv_role: str | None = None
+    kv_host: str = "127.0.0.1"  # prefill: the address decode instances reach its KV at
+    kv_port: int = 14579
+    kv_transfer_backend: str = "gloo"
+    kv_transfer_timeout: float = 30.0  # seconds a transfer may take; a prefill holds unpulled blocks this long
+    kv_transfer_fallback: str = "recompute"  # decode, when a pull fails: compute the prompt, or "error"
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -256,10 +265,24 @@ class EngineConfig:
                              "GGUF file's blocks are dequantized to the model dtype) or None")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
+        self._verify_kv_transfer()
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.world_size > 1:
             raise ValueError("speculative decoding with a draft model runs on one process: it cannot be combined with "
                              "tensor_parallel_size or pipeline_parallel_size > 1 (method 'ngram' can)")
+
+    def _verify_kv_transfer(self) -> None:
+        for name, allowed in (("kv_role", (None, *KV_ROLES)), ("kv_transfer_backend", KV_TRANSFER_BACKENDS),
+                              ("kv_transfer_fallback", KV_TRANSFER_FALLBACKS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if self.kv_transfer_timeout <= 0:
+            raise ValueError(f"kv_transfer_timeout must be positive, got {self.kv_transfer_timeout}")
+        if not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_port must be a TCP port, got {self.kv_port}")
+        if self.kv_role is not None and self.world_size > 1:
+            raise ValueError("kv_role works on one process: it cannot be combined with tensor_parallel_size or "
+                             "pipeline_parallel_size > 1")
 
     @property
     def world_size(self) -> int:

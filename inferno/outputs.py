@@ -1,6 +1,8 @@
 """What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes."""
 from dataclasses import dataclass
 
+from inferno.core.kv_transfer import KVTransferParams
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -46,3 +48,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    kv_transfer_params: KVTransferParams | None = None  # a prefill instance's: where the prompt's KV waits

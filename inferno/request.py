@@ -5,6 +5,7 @@ import time
 import torch
 
 from inferno.core.kv_blocks import BlockHash
+from inferno.core.kv_transfer import KVTransferParams
 from inferno.core.token_counts import TokenCounts
 from inferno.outputs import PositionLogprobs, RequestMetrics
 from inferno.sampling_params import SamplingParams
@@ -65,6 +66,10 @@ class Request(TokenCounts):
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        # disaggregated prefill/decode: where this request's prompt KV waits (decode side, until it arrives), and
+        # where it left it for a decode instance (prefill side, once finished)
+        self.remote_prefill: KVTransferParams | None = None
+        self.kv_transfer_params: KVTransferParams | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from inferno.core.kv_transfer import KVTransferParams
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -61,6 +63,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never"
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON schema, regex, ...)
+    kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill/decode (core/kv_transfer.py)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

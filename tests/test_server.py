@@ -18,17 +18,19 @@ STARTUP_TIMEOUT_S = 300
 
 
 class RemoteServer:
-    """`inferno serve ARGS` in a subprocess on a free port, ready once /health answers."""
+    """`inferno serve ARGS` (or another subcommand) in a subprocess on a free port, ready once /health answers;
+    `launcher`: what the command runs under (`ip netns exec NAME` to serve at `host` in a network namespace)."""
 
-    def __init__(self, *args: str, api_key: str | None = None):
+    def __init__(self, *args: str, api_key: str | None = None, subcommand: str = "serve", host: str = "127.0.0.1",
+                 launcher: tuple[str, ...] = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.api_key = api_key
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="inferno-serve-", suffix=".log")
-        command = [sys.executable, "-c", "from inferno.entrypoints.cli import main; main()", "serve",
-                   "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"inferno-{subcommand}-", suffix=".log")
+        command = [*launcher, sys.executable, "-c", "from inferno.entrypoints.cli import main; main()", subcommand,
+                   "--host", host, "--port", str(self.port), *args]
         if api_key:
             command += ["--api-key", api_key]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Protocol
 
 from inferno.engine.input_processor import PromptType
+from inferno.engine.kv_transfer import KVTransferStats
 from inferno.engine.llm_engine import LLMEngine
 from inferno.executor import ExecutorDeadError
 from inferno.loader.tokenizer import Tokenizer
@@ -41,7 +42,9 @@ class SchedulerStats:
     prefix_cache_queries: int  # prompt tokens looked up, since the engine started
     prefix_cache_hits: int  # of those, tokens found in the cache
     num_cached_blocks: int  # blocks in the prefix cache now
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model, since the engine started
     spec_decoding_stats: SpecDecodingStats | None = None  # since the engine started; None without speculation
+    kv_transfer_stats: KVTransferStats | None = None  # None on a colocated instance
 
 
 class StatLogger(Protocol):
@@ -205,7 +208,7 @@ class AsyncLLM:
     def _run_engine_loop(self) -> None:
         try:
             while self._apply_commands():
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_unfinished_requests() or self.engine.has_pending_kv_transfers():
                     self._step()
         except Exception:
             logger.exception("engine loop crashed")
@@ -217,7 +220,8 @@ class AsyncLLM:
 
     def _apply_commands(self) -> bool:
         """Apply queued commands (waiting for one while the engine is idle); False on shutdown."""
-        commands = [] if self.engine.has_unfinished_requests() else [self._commands.get()]
+        idle = not self.engine.has_unfinished_requests() and not self.engine.has_pending_kv_transfers()
+        commands = [self._commands.get()] if idle else []
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -321,13 +325,16 @@ class AsyncLLM:
     def _record_stats(self, outputs: list[RequestOutput], ended: dict[str, str]) -> None:
         """Before the outputs are handed over, so a client that got its answer sees it counted."""
         scheduler, kv_cache = self.engine.scheduler, self.engine.kv_cache_manager
+        kv_transfers = self.engine.kv_transfers
         stats = SchedulerStats(num_running_reqs=len(scheduler.running), num_waiting_reqs=len(scheduler.waiting),
                                kv_cache_usage=self.engine.kv_cache_usage,
                                num_preemptions=scheduler.num_preemptions,
                                prefix_cache_queries=kv_cache.prefix_cache_queries,
                                prefix_cache_hits=kv_cache.prefix_cache_hits,
                                num_cached_blocks=kv_cache.block_pool.num_cached_blocks,
-                               spec_decoding_stats=scheduler.spec_decoding_stats)
+                               num_computed_prompt_tokens=scheduler.num_computed_prompt_tokens,
+                               spec_decoding_stats=scheduler.spec_decoding_stats,
+                               kv_transfer_stats=None if kv_transfers is None else kv_transfers.take_stats())
         self.num_waiting_requests = stats.num_waiting_reqs
         for stat_logger in self.stat_loggers:
             try:

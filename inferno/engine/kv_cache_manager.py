@@ -105,6 +105,19 @@ class KVCacheManager:
         request.num_cached_blocks = 0
         request.num_dropped_blocks = 0
 
+    def take_blocks(self, request: Request, num_blocks: int) -> list[int]:
+        """Detach the first `num_blocks` blocks from a finished request, still held (for a KV transfer; give them
+        back with `free_blocks`); its other blocks are freed."""
+        assert request.num_dropped_blocks == 0, "a KV transfer needs every block (no sliding-window dropping)"
+        taken, rest = request.block_ids[:num_blocks], request.block_ids[num_blocks:]
+        self.block_pool.free(rest)
+        request.block_ids = []
+        request.num_cached_blocks = 0
+        return taken
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.block_pool.free(block_ids)
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self.block_copies = self.block_copies, []
         return copies

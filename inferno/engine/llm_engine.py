@@ -11,6 +11,7 @@ from inferno.engine.kv_cache_manager import KVCacheManager, log_kv_cache
 from inferno.engine.output_processor import OutputProcessor, RequestState, SampleState
 from inferno.engine.detokenizer import IncrementalDetokenizer
 from inferno.engine.input_processor import InputProcessor, PromptType
+from inferno.engine.kv_transfer import KVTransferManager
 from inferno.engine.scheduler import Scheduler
 from inferno.engine.stop_checker import StopChecker
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -43,15 +44,20 @@ class LLMEngine:
         log_kv_cache(self.num_blocks, config.block_size, self.executor.kv_block_bytes,
                      self.max_model_len, auto=config.kv_cache_memory is None)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
-        # a draft model (with windows of its own, or none) reads the same block tables: keep every block for it
+        # a draft model (with windows of its own, or none) reads the same block tables, and a KV transfer moves
+        # whole prompts: keep every block for them
         spec = config.speculative_config
-        window = None if spec is not None and spec.method == "draft_model" else self.model_config.kv_window
+        keep_all = (spec is not None and spec.method == "draft_model") or config.kv_role is not None
+        window = None if keep_all else self.model_config.kv_window
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                                window)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         stop_checker = StopChecker(self.output_processor.detokenize_last_token, self.structured_output.grammar_of)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, stop_checker, self.structured_output)
+        self.kv_transfers = None if config.kv_role is None else KVTransferManager(
+            config, self.kv_cache_manager, self.executor.kv_connector, self.model_config.vocab_size)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, stop_checker, self.structured_output,
+                                   self.kv_transfers)
         self.beam_searches: dict[str, BeamSearch] = {}
         try:
             self.proposer = self._proposer()
@@ -114,6 +120,12 @@ class LLMEngine:
         request = self.input_processor.process(request_id, prompt, params or SamplingParams(), arrival_time)
         text, token_ids, params, arrival_time = (request.prompt, request.prompt_token_ids, request.sampling_params,
                                                  request.arrival_time)
+        kv = params.kv_transfer_params
+        if kv is not None:
+            if self.kv_transfers is None:
+                raise ValueError("kv_transfer_params was given, but this instance takes no part in disaggregated "
+                                 "prefill/decode (start it with --kv-role prefill or decode)")
+            self.kv_transfers.check(params, len(token_ids))
         if params.use_beam_search:
             search = BeamSearch(request_id, text, token_ids, params, self.tokenizer.eos_token_ids,
                                 self.max_model_len, arrival_time)
@@ -123,11 +135,13 @@ class LLMEngine:
         state = RequestState(request_id, text, token_ids, params)
         for index in range(params.n):
             child_params = params if params.n == 1 else params.child(index)
-            if index > 0:
-                child_params = replace(child_params, prompt_logprobs=None)
+            if index > 0:  # the first sample alone scores the prompt, or receives it from a prefill instance
+                child_params = replace(child_params, prompt_logprobs=None, kv_transfer_params=None)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             req = Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len,
                           arrival_time)
+            if index == 0 and kv is not None and kv.is_remote_prefill:
+                req.remote_prefill = kv
             state.samples.append(SampleState(index, req, IncrementalDetokenizer(self.tokenizer, child_params)))
             if params.structured_outputs is not None:
                 self.structured_output.add_request(child_id, params.structured_outputs)
@@ -151,12 +165,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks held for, or being written by, a KV transfer: steps keep polling them."""
+        return self.kv_transfers is not None and self.kv_transfers.has_pending
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states) + len(self.beam_searches)
 
     # one step
     def step(self) -> list[RequestOutput]:
-        failed = self._fail_grammars()
+        failed = self._fail_grammars() + self._finish_kv_transfers()
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:
             self.structured_output.wait_for_compile(GRAMMAR_POLL_S)
@@ -197,6 +215,22 @@ class LLMEngine:
             if req is not None:
                 outputs += self._fail([req], message)
         return outputs
+
+    def _finish_kv_transfers(self) -> list[RequestOutput]:
+        """Requests whose pulled KV arrived get their first token (the prefill instance's); failed pulls fall
+        back to computing the prompt here, or fail their request."""
+        if self.kv_transfers is None:
+            return []
+        outputs, started = [], []
+        for req, error in self.kv_transfers.poll():
+            if error is not None and self.config.kv_transfer_fallback == "error":
+                outputs += self._fail([req], f"the prompt's KV cache could not be transferred: {error}")
+            elif self.scheduler.finish_kv_pull(req, error):
+                req.metrics.first_token_time = req.metrics.last_token_time = time.time()
+                if req.is_finished:
+                    req.metrics.finished_time = req.metrics.first_token_time
+                started.append(req)
+        return outputs + self.output_processor.make_outputs(started)
 
     def _requests_in(self, sched: SchedulerOutput) -> list[Request]:
         return [self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens]

@@ -99,7 +99,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=prompt_logprobs, outputs=completions, finished=state.finished,
-            metrics=first.metrics, error=errors[0] if errors else None)
+            metrics=first.metrics, error=errors[0] if errors else None, kv_transfer_params=first.kv_transfer_params)
 
     def _completion(self, s: SampleState, delta: bool) -> CompletionOutput | None:
         req = s.request

@@ -5,6 +5,8 @@ Prefill, chunked prefill, decode and recompute after preemption are all the same
 from the waiting queue starts after its longest prefix-cache hit. The samples of an n > 1 request wait until the
 first sample has computed the prompt, then fork its blocks and compute only the prompt's last token themselves.
 A request with structured outputs stays waiting until its grammar is compiled; the requests behind it go ahead.
+A decode instance's request whose prompt was computed by a prefill instance is admitted with blocks for its
+prompt, then waits off the batch until its KV has been pulled (engine/kv_transfer.py).
 """
 import time
 from collections import deque
@@ -12,6 +14,7 @@ from collections import deque
 from inferno.config import EngineConfig
 from inferno.core.scheduler_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from inferno.engine.kv_cache_manager import KVCacheManager
+from inferno.engine.kv_transfer import KVTransferManager
 from inferno.engine.stop_checker import StopChecker
 from inferno.engine.worker_view import WorkerView
 from inferno.request import Request, RequestStatus
@@ -22,8 +25,9 @@ from inferno.structured_output.manager import StructuredOutputManager
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, stop_checker: StopChecker,
-                 structured_output: StructuredOutputManager):
+                 structured_output: StructuredOutputManager, kv_transfers: KVTransferManager | None = None):
         self.stop_checker = stop_checker
+        self.kv_transfers = kv_transfers
         self.structured_output = structured_output
         self.worker_view = WorkerView()
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -49,7 +53,7 @@ class Scheduler:
             self.forks.setdefault(fork_of.request_id, []).append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.kv_transfers is not None and self.kv_transfers.pulling))
 
     def fork_request(self, parent: Request, child: Request) -> None:
         """Start `child` running on a copy of the parent's block table, from where the parent has computed."""
@@ -94,6 +98,13 @@ class Scheduler:
                 compiling.append(self.waiting.popleft())
                 continue
             hits = self.kv_cache_manager.get_computed_blocks(req)
+            if req.remote_prefill is not None:  # blocks for the whole prompt; its KV comes from a prefill instance
+                num_missing = req.num_tokens - len(hits or ()) * self.kv_cache_manager.block_size
+                if not self.kv_cache_manager.allocate_slots(req, num_missing, hits):
+                    break
+                self.waiting.popleft()
+                self.kv_transfers.start_pull(req, len(hits or ()))
+                continue
             num_new = min(req.num_tokens - len(hits or ()) * self.kv_cache_manager.block_size, budget)
             if not self.kv_cache_manager.allocate_slots(req, num_new + self.num_lookahead_tokens, hits):
                 break
@@ -173,6 +184,26 @@ class Scheduler:
                 updated.append(req)
         return updated
 
+    def finish_kv_pull(self, req: Request, error: str | None) -> bool:
+        """A request's pulled KV arrived (error None): its prompt counts as computed, the prefill instance's first
+        token is appended and it runs (or stops on that token). On an error its prompt is computed here instead.
+        Returns whether the request got its first token."""
+        first_token = req.remote_prefill.first_token_id
+        req.remote_prefill = None
+        if error is not None:
+            self.kv_cache_manager.free(req)
+            req.num_computed_tokens = 0
+            self.waiting.appendleft(req)
+            return False
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv_cache_manager.cache_blocks(req)
+        self._start(req)
+        if req.request_id in self.forks:
+            self._start_forks(req)
+        if self.stop_checker.append_token(req, first_token):
+            self._free(req)
+        return True
+
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         req = self.requests.get(request_id)
         if req is None:
@@ -191,7 +222,13 @@ class Scheduler:
         """Take a finished request out of the running batch and give its blocks back."""
         if req in self.running:
             self.running.remove(req)
-        self.kv_cache_manager.free(req)
+        kv = self.kv_transfers
+        if kv is not None and kv.is_pulling(req):
+            pass  # its blocks are being written: freed when the pull is over
+        elif kv is not None and kv.wants_hold(req):
+            kv.hold(req)
+        else:
+            self.kv_cache_manager.free(req)
         self.requests.pop(req.request_id, None)
         self.worker_view.forget(req.request_id)
         self.structured_output.remove(req.request_id)

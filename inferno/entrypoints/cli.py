@@ -9,6 +9,7 @@ from typing import get_args
 
 from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES, PER_CHANNEL,
                             QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig, SpeculativeConfig)
+from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
 from inferno.engine.input_processor import PromptType
 from inferno.engine.llm_engine import LLMEngine
 from inferno.sampling_params import RequestOutputKind, SamplingParams
@@ -60,6 +61,15 @@ ENGINE_FLAGS: dict[str, dict] = {
         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
         '"num_speculative_tokens": 4}\'; policy keys "disable_by_batch_size" (default 4, null: never) and '
         '"draft_acceptance_threshold" (default 0.3 for ngram, 0.5 for draft_model; 0: off)')),
+    "kv_role": dict(choices=KV_ROLES, help="disaggregated serving: prefill instances compute prompts, decode instances "
+                                           "pull their KV cache and decode (put `inferno proxy` in front)"),
+    "kv_host": dict(help="prefill: the address decode instances reach its KV cache at (default: 127.0.0.1)"),
+    "kv_port": dict(help="prefill: the TCP port it listens on for decode instances' KV pulls"),
+    "kv_transfer_backend": dict(choices=KV_TRANSFER_BACKENDS, help="torch.distributed backend of KV transfers"),
+    "kv_transfer_timeout": dict(help="seconds a KV transfer may take; a prefill instance frees blocks nobody "
+                                     "pulled after this long"),
+    "kv_transfer_fallback": dict(choices=KV_TRANSFER_FALLBACKS,
+                                 help="decode, when a KV transfer fails: compute the prompt here, or fail the request"),
 }
 NOT_FLAGS = {"seed"}  # the engine's seed is not a flag: --seed is the request's (SamplingParams.seed)
 
@@ -168,6 +178,14 @@ def run_serve(args: argparse.Namespace) -> None:
     run_server(engine_config(args), server_config(args))
 
 
+def run_proxy(args: argparse.Namespace) -> None:
+    from inferno.server.disagg_proxy import run_proxy as run  # fastapi and uvicorn load only for `proxy`
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    if args.health_check_interval <= 0:
+        raise ValueError(f"health_check_interval must be positive, got {args.health_check_interval}")
+    run(args.prefill, args.decode, args.host, args.port, args.health_check_interval)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="inferno", description="LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -188,6 +206,14 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(func=run_serve)
+    proxy = commands.add_parser("proxy", help="OpenAI-compatible front for disaggregated prefill and decode instances")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances' base URLs")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances' base URLs")
+    proxy.add_argument("--host", default="0.0.0.0")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--health-check-interval", type=float, default=2.0,
+                       help="seconds between two /health checks of each instance")
+    proxy.set_defaults(func=run_proxy)
     args = parser.parse_args(argv)
     try:
         args.func(args)

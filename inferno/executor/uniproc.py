@@ -17,6 +17,7 @@ class UniProcExecutor:
         self.model_path, self.model_config = self.worker.model_path, self.worker.model_config
         self.tokenizer, self.num_blocks = self.worker.tokenizer, self.worker.num_blocks
         self.kv_block_bytes = self.worker.kv_block_bytes
+        self.kv_connector = self.worker.kv_connector  # disaggregated prefill/decode: None on a colocated instance
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from inferno.engine.async_llm import SchedulerStats
+from inferno.engine.kv_transfer import KVTransferStats
 from inferno.outputs import RequestOutput
 from inferno.spec_decode.metrics import SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 
@@ -86,6 +88,14 @@ class PrometheusStatLogger:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.num_cached_blocks = gauge("num_cached_blocks", "Number of KV-cache blocks in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.num_computed_prompt_tokens = counter(
+            "prompt_tokens_computed", "Prompt tokens run through the model (prefix-cache hits and prompts whose KV "
+                                      "came from a prefill instance excluded).")
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "KV-cache bytes sent (prefill) or received (decode).")
+        self.kv_transfer_failures = counter("kv_transfer_failures",
+                                            "KV transfers that failed or timed out (their blocks were freed).")
+        self.kv_transfer_seconds = histogram("kv_transfer_seconds", "Histogram of the time of one request's KV "
+                                                                    "transfer in seconds.", TRANSFER_BUCKETS)
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         request_success = Counter("inferno:request_success", "Count of successfully processed requests.",
                                   ["model_name", "finished_reason"], registry=registry)
@@ -102,7 +112,9 @@ class PrometheusStatLogger:
         self.request_queue_time = histogram("request_queue_time_seconds",
                                             "Histogram of time spent in WAITING phase for request.",
                                             REQUEST_BUCKETS)
-        self._totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                        "num_computed_prompt_tokens": 0}
+        self._kv_transfer_totals = KVTransferStats()
         self.spec_decode = SpecDecodeMetrics(registry, model_name)
         self._requests: dict[str, _RequestTimes] = {}
 
@@ -118,12 +130,22 @@ class PrometheusStatLogger:
                 self._totals[name] = total
         if scheduler_stats.spec_decoding_stats is not None:
             self.spec_decode.record(scheduler_stats.spec_decoding_stats)
+        if scheduler_stats.kv_transfer_stats is not None:
+            self._record_kv_transfers(scheduler_stats.kv_transfer_stats)
         now = time.time()
         for output in outputs:
             self._record_output(output, now)
         for request_id, reason in ended.items():
             self._requests.pop(request_id, None)
             self.request_success[reason].inc()
+
+    def _record_kv_transfers(self, stats: KVTransferStats) -> None:
+        seen = self._kv_transfer_totals
+        self.kv_transfer_bytes.inc(stats.num_bytes - seen.num_bytes)
+        self.kv_transfer_failures.inc(stats.num_failures - seen.num_failures)
+        for seconds in stats.new_seconds:
+            self.kv_transfer_seconds.observe(seconds)
+        self._kv_transfer_totals = KVTransferStats(stats.num_bytes, stats.num_failures)
 
     def _record_output(self, output: RequestOutput, now: float) -> None:
         times = self._requests.get(output.request_id)

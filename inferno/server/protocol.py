@@ -5,6 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from inferno.core.kv_transfer import KVTransferParams
 from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -48,6 +49,17 @@ class ResponseFormat(OpenAIModel):
 STRUCTURED_OUTPUTS_KEYS = {f.name for f in fields(StructuredOutputsParams)}
 
 
+class KVTransferParamsModel(OpenAIModel):
+    """vLLM's `kv_transfer_params` (disaggregated prefill and decode; see inferno/core/kv_transfer.py)."""
+    model_config = ConfigDict(extra="forbid")
+    do_remote_decode: bool = False
+    remote_host: str | None = None
+    remote_port: int | None = Field(None, ge=1, le=65535)
+    transfer_id: int | None = Field(None, ge=0, le=INT64_MAX)
+    num_prompt_tokens: int | None = Field(None, ge=1)
+    first_token_id: TokenId | None = None
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
@@ -76,6 +88,7 @@ class SamplingRequest(OpenAIModel):
     early_stopping: bool | Literal["never"] = False
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar or json_object
+    kv_transfer_params: KVTransferParamsModel | None = None  # from `inferno proxy` to prefill and decode instances
 
     @property
     def include_usage(self) -> bool:
@@ -114,7 +127,9 @@ class SamplingRequest(OpenAIModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
-            structured_outputs=structured_outputs or self.structured_outputs_params())
+            structured_outputs=structured_outputs or self.structured_outputs_params(),
+            kv_transfer_params=None if self.kv_transfer_params is None
+            else KVTransferParams(**self.kv_transfer_params.model_dump()))
 
 
 class CompletionRequest(SamplingRequest):
@@ -180,6 +195,7 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's: where the prompt's KV waits
 
 
 class TopLogprob(OpenAIModel):
@@ -229,6 +245,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's: where the prompt's KV waits
 
 
 class DeltaFunctionCall(OpenAIModel):

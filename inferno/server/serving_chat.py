@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, one engine request."""
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 
 from fastapi import Request
@@ -87,8 +87,11 @@ class ServingChat(OpenAIServing):
     async def collect(self, request: ChatCompletionRequest, request_id: str, prompt: EnginePrompt,
                       stream: RequestStream, headers: dict[str, str]) -> Response:
         choices = [ChoiceAccumulator() for _ in range(request.n)]
+        kv_transfer_params = None  # a prefill instance's answer: where the prompt's KV waits
         try:
             async for output in stream:
+                if output.kv_transfer_params is not None:
+                    kv_transfer_params = asdict(output.kv_transfer_params)
                 for completion in output.outputs:
                     choices[completion.index].add(completion)
         except (RequestFailedError, EngineDeadError) as e:
@@ -104,7 +107,8 @@ class ServingChat(OpenAIServing):
                 if request.logprobs else None,
                 finish_reason=finish_reason(choice.finish_reason, bool(tool_calls)), stop_reason=choice.stop_reason))
         usage = usage_of([prompt], sum(len(c.token_ids) for c in choices))
-        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=response_choices, usage=usage)
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=response_choices, usage=usage,
+                                          kv_transfer_params=kv_transfer_params)
         return json_response(response, headers)
 
     async def stream(self, request: ChatCompletionRequest, request_id: str, prompt: EnginePrompt,

@@ -1,6 +1,7 @@
 """POST /v1/completions: one engine request per prompt, choices indexed prompt * n + sample."""
 import time
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from functools import partial
 
 from fastapi import Request
@@ -81,9 +82,12 @@ class ServingCompletion(OpenAIServing):
         n = request.n
         choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
         prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
+        kv_transfer_params = None  # a prefill instance's answer: where the prompt's KV waits
         try:
             async for i, output in merge_streams(streams):
                 prompt_logprobs[i] = output.prompt_logprobs
+                if output.kv_transfer_params is not None:
+                    kv_transfer_params = asdict(output.kv_transfer_params)
                 for completion in output.outputs:
                     choices[i * n + completion.index].add(completion)
         except (RequestFailedError, EngineDeadError) as e:
@@ -104,7 +108,8 @@ class ServingCompletion(OpenAIServing):
                                                      finish_reason=choice.finish_reason,
                                                      stop_reason=choice.stop_reason))
         usage = usage_of(prompts, sum(len(c.token_ids) for c in choices))
-        response = CompletionResponse(id=request_id, model=self.model_name, choices=response_choices, usage=usage)
+        response = CompletionResponse(id=request_id, model=self.model_name, choices=response_choices, usage=usage,
+                                      kv_transfer_params=kv_transfer_params)
         return json_response(response, headers)
 
     async def stream(self, request: CompletionRequest, request_id: str, prompts: list[EnginePrompt],

@@ -99,6 +99,15 @@ class ModelRunner:
             return lazily_zeroed(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every layer's cache tensors ([kv_heads, blocks, ...]: K, V and a quantized cache's scales), in order."""
+        caches = []
+        for attn in self.model.attention_layers:
+            caches += [attn.k_cache, attn.v_cache]
+            if attn.k_scale is not None:
+                caches += [attn.k_scale, attn.v_scale]
+        return caches
+
     def wait_for_compiled_decode(self, timeout: float | None = None) -> bool:
         """Block until the background compile is over; True if decode steps now run compiled."""
         if self.compile_thread is not None:

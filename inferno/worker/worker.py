@@ -12,6 +12,7 @@ from inferno.core.kv_blocks import cdiv
 from inferno.loader.model_loader import load_model, read_model_config
 from inferno.worker.gpu_memory import GIB, kv_cache_budget, measure_peak_memory, profile_step
 from inferno.worker.kv_cache import auto_num_blocks
+from inferno.worker.kv_connector import KVConnector
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger("inferno")
@@ -76,6 +77,9 @@ class Worker:
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             self.num_blocks = int(count)
         self.model_runner = ModelRunner(loaded.model, config, self.num_blocks, parallel, self.device)
+        self.kv_connector = None if config.kv_role is None else KVConnector(
+            self.model_runner.kv_caches(), config.kv_role, config.kv_host, config.kv_port,
+            config.kv_transfer_backend, config.kv_transfer_timeout)
 
     def _gpu_num_blocks(self, config: EngineConfig, model, parallel: ParallelRank) -> int:
         """`kv_cache_memory` bytes' worth, or what gpu_memory_utilization leaves after a profiling step."""
