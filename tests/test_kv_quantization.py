@@ -54,7 +54,7 @@ def test_quantized_kv_shrinks_bytes_per_token(kv_llm, llm):
     def resident_bytes_per_block(r) -> float:
         tensors = [t for a in r.model.attention_layers for t in (a.k_cache, a.v_cache, a.k_scale, a.v_scale)
                    if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors) / r.num_cache_blocks  # the pool and the scratch block
+        return sum(t.numel() * t.element_size() for t in tensors) / r.num_blocks
 
     config = kv_llm.llm_engine.model_config
     ratio = resident_bytes_per_block(float_runner) / resident_bytes_per_block(runner)

@@ -60,16 +60,16 @@ class ModelRunner:
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
         self.compiled_decode = None
-        # (not MoE models: routing is data-dependent control flow, each step would break the graph)
-        # one block beyond the pool: the warm-up's scratch, which no request can hold
-        self.scratch_block = num_blocks
-        self.num_cache_blocks = num_blocks + 1
+        # a compiled or captured decode step (single rank, not MoE: its routing is data-dependent control flow) is
+        # warmed up on one block beyond the pool, a scratch block no request can hold
+        fast_decode = not engine_config.enforce_eager and parallel.world_size == 1 and self.config.moe is None
+        self.scratch_block = num_blocks if fast_decode else None
+        self.num_cache_blocks = num_blocks + fast_decode
         self.attention = select_attention_backend(
             engine_config.attention_backend, device, self.block_size, model.attention_layers[0].num_kv_heads,
             self.num_cache_blocks, self.config.head_dim, self.config.sliding_window, quantized_kv,
             self.config.attn_logit_softcapping)
-        compile_decode = (not engine_config.enforce_eager and self.attention.name == "cpu_kernel"
-                          and parallel.world_size == 1 and self.config.moe is None)
+        compile_decode = fast_decode and self.attention.name == "cpu_kernel"
         # zeros, not garbage: masked-out slots are still multiplied by zero weights, and stale NaN/inf would turn
         # that into NaN. On the CPU the OS zero-fills the pages on first touch, so start-up writes nothing.
         cache_dtype = KV_CACHE_DTYPES[engine_config.kv_cache_dtype] if quantized_kv else self.dtype
@@ -81,10 +81,9 @@ class ModelRunner:
             if quantized_kv:
                 attn.k_scale = self._zeros(shape[:-1], torch.float32)
                 attn.v_scale = self._zeros(shape[:-1], torch.float32)
-        # GPU: decode-only steps replay CUDA graphs captured now (single rank; MoE routing is data-dependent)
+        # GPU: decode-only steps replay CUDA graphs captured now
         self.decode_graphs = None
-        if (device.type == "cuda" and not engine_config.enforce_eager and self.attention.name == "triton"
-                and parallel.world_size == 1 and self.config.moe is None):
+        if fast_decode and device.type == "cuda" and self.attention.name == "triton":
             max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_forward, engine_config.max_num_seqs,
                                               cdiv(max_model_len, self.block_size), self.scratch_block, device)
