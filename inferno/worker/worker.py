@@ -42,7 +42,7 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, block_bytes: 
 class Worker:
     def __init__(self, config: EngineConfig, parallel: ParallelRank = SINGLE):
         loaded = load_model(config.model, config.torch_dtype, parallel, config.quantization,
-                            config.quantization_group_size)
+                            config.quantization_group_size, config.calibration)
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
