@@ -167,13 +167,15 @@ def _is_positive_int(value) -> bool:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATION_METHODS = ("auto", "int8", "int4")
+QUANTIZATION_METHODS = ("auto", "int8", "int4", "w8a8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 PER_CHANNEL = -1  # quantization_group_size for int8 with one scale per output channel (GPTQ's "-1")
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 # "auto": Triton on CUDA; on the CPU the native decode kernel where it can run the model, else PyTorch
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton")
+# how activation calibration picks each w8a8 layer's input threshold: minimal KL divergence, or the absmax seen
+CALIBRATION_METHODS = ("entropy", "absmax")
 
 
 @dataclass
@@ -181,11 +183,14 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None: the default model
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     dtype: str = "auto"  # "auto": bfloat16 where the CPU has native bfloat16 GEMMs (AVX512-BF16, AMX), else float32
-    # weight-only: "auto" runs a GGUF file's quantized blocks as stored (float checkpoints stay float); None
-    # dequantizes them to float; "int8" or "int4" (both group-wise) quantize every projection
+    # weight-only: "auto" runs a GGUF file's quantized blocks (or an AWQ / GPTQ folder's codes) as stored (float
+    # checkpoints stay float); None dequantizes them to float; "int8" or "int4" (both group-wise) quantize every
+    # projection; "w8a8": int8 weights and int8 activations with calibrated thresholds (`calibration`)
     quantization: str | None = "auto"
     # input columns per scale and min/zero (32 loads GGUF Q4_0/Q4_1 as is); int8 also PER_CHANNEL (-1)
     quantization_group_size: int = 32
+    # w8a8: the activation calibration file (`inferno calibrate`); None: the one beside the model
+    calibration: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
     # bytes for the KV cache pool; None: half the memory available once the weights are loaded, at most max_num_seqs
@@ -255,14 +260,21 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.quantization in ("int8", "int4") and self.tensor_parallel_size > 1:
+        if self.quantization in ("int8", "int4", "w8a8") and self.tensor_parallel_size > 1:
             # the quantized layers hold whole weights and do no all-reduce: they replace the tensor-parallel ones
             # ("auto" falls back to float there, with a warning: model_loader.load_model)
             raise ValueError("quantization is not supported with tensor_parallel_size > 1 "
                              "(pipeline_parallel_size > 1 is: each stage quantizes its own layers)")
-        if self.device == "cuda" and self.quantization in ("int8", "int4"):
+        if self.device == "cuda" and self.quantization in ("int8", "int4", "w8a8"):
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU's kernels; on CUDA use 'auto' (a "
                              "GGUF file's blocks are dequantized to the model dtype) or None")
+        if self.calibration is not None and self.quantization != "w8a8":
+            raise ValueError(f"calibration is used only with quantization='w8a8', got quantization="
+                             f"{self.quantization!r}")
+        draft = self.speculative_config is not None and self.speculative_config.method == "draft_model"
+        if self.quantization == "w8a8" and draft:
+            raise ValueError("quantization='w8a8' with a draft model is not supported (the draft would need its "
+                             "own calibration); use method 'ngram' or another quantization")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
         self._verify_kv_transfer()

@@ -17,6 +17,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               initializer_range=0.1)  # logits spread wide enough for clear greedy choices
 # architecture -> (config class, model class, config overrides)
 ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32, tie_word_embeddings=False)),
     # Gemma: a sliding layer then a global one, window 32; caps low enough to bite; scalar unlike the head size

@@ -1,4 +1,5 @@
-"""Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come."""
+"""Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come; `inferno serve`;
+`inferno calibrate` (int8 activation thresholds for quantization w8a8)."""
 import argparse
 import json
 import logging
@@ -7,11 +8,13 @@ import uuid
 from dataclasses import MISSING, Field, fields
 from typing import get_args
 
-from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES, PER_CHANNEL,
-                            QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig, SpeculativeConfig)
+from inferno.config import (ATTENTION_BACKENDS, CALIBRATION_METHODS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES,
+                            PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig,
+                            SpeculativeConfig)
 from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
 from inferno.engine.input_processor import PromptType
 from inferno.engine.llm_engine import LLMEngine
+from inferno.entrypoints.llm import LLM
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.server.cli_args import add_server_args, server_config
 
@@ -36,10 +39,13 @@ ENGINE_FLAGS: dict[str, dict] = {
                   help="activation dtype (auto: bfloat16 on GPUs and CPUs with native bfloat16 GEMMs, else "
                        "float32)"),
     "quantization": dict(short="-q", choices=[*QUANTIZATION_METHODS, "none"],
-                         help="weights: auto runs a GGUF file's quantized blocks as stored; none dequantizes them "
-                              "to float; int8 / int4 quantize every projection (default: auto)"),
+                         help="weights: auto runs a GGUF file's quantized blocks (or an AWQ / GPTQ folder's codes) "
+                              "as stored; none dequantizes them to float; int8 / int4 quantize every projection; "
+                              "w8a8: int8 weights and activations with calibrated thresholds (default: auto)"),
     "quantization_group_size": dict(choices=[*QUANTIZATION_GROUP_SIZES, PER_CHANNEL],
                                     help="input columns per scale and zero point; -1: per output channel (int8 only)"),
+    "calibration": dict(help="w8a8: the activation calibration file written by `inferno calibrate` (default: the "
+                             "one beside the model)"),
     "kv_cache_memory": dict(help="bytes for the KV cache (default: half the memory available after loading the "
                                  "model, at most --max-num-seqs sequences of --max-model-len tokens)"),
     "kv_cache_dtype": dict(choices=KV_CACHE_DTYPE_NAMES,
@@ -186,6 +192,17 @@ def run_proxy(args: argparse.Namespace) -> None:
     run(args.prefill, args.decode, args.host, args.port, args.health_check_interval)
 
 
+def run_calibrate(args: argparse.Namespace) -> None:
+    texts = [open(path, encoding="utf-8").read() for path in args.text_file] if args.text_file else None
+    llm = LLM(args.model, dtype="float32", quantization=None, kv_cache_memory=64 << 20, enforce_eager=True,
+              num_threads=args.num_threads)
+    try:
+        path = llm.calibrate(args.output, texts, args.method)
+    finally:
+        llm.llm_engine.shutdown()
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="inferno", description="LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -214,6 +231,18 @@ def main(argv: list[str] | None = None) -> None:
     proxy.add_argument("--health-check-interval", type=float, default=2.0,
                        help="seconds between two /health checks of each instance")
     proxy.set_defaults(func=run_proxy)
+    calibrate = commands.add_parser("calibrate", help="calibrate int8 activation thresholds for --quantization w8a8")
+    calibrate.add_argument("model", nargs="?", default=None, help="GGUF file or Hugging Face folder (default: "
+                                                                  "SmolLM2-135M-Instruct)")
+    calibrate.add_argument("--output", "-o", default=None, help="where to write the thresholds (JSON; default: "
+                                                               "beside the model, where w8a8 looks for them)")
+    calibrate.add_argument("--method", choices=CALIBRATION_METHODS, default="entropy",
+                           help="entropy: the threshold minimising the KL divergence of the clipped, quantized "
+                                "inputs from the float ones (TensorRT's); absmax: the largest input seen")
+    calibrate.add_argument("--text-file", action="append", default=None,
+                           help="UTF-8 text to calibrate on (repeatable; default: a built-in sample)")
+    calibrate.add_argument("--num-threads", type=int, default=None)
+    calibrate.set_defaults(func=run_calibrate)
     args = parser.parse_args(argv)
     try:
         args.func(args)

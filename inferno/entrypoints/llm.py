@@ -2,15 +2,21 @@
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from inferno.config import EngineConfig
+from inferno.config import CALIBRATION_METHODS, EngineConfig
+from inferno.entrypoints.calibration_text import CALIBRATION_TEXTS
 from inferno.engine.input_processor import ChatMessage, PromptType
 from inferno.engine.llm_engine import LLMEngine
+from inferno.loader.calibration_file import default_calibration_path, write_calibration
 from inferno.loader.tokenizer import Tokenizer
 from inferno.outputs import RequestOutput
 from inferno.sampling_params import RequestOutputKind, SamplingParams
+
+CALIBRATION_SEQUENCE_TOKENS = 256  # calibration texts run as prefills of at most this many tokens
+
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
@@ -60,6 +66,25 @@ class LLM:
         render = self.llm_engine.input_processor.render_chat
         prompts = [render(c, add_generation_prompt, chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def calibrate(self, output: str | None = None, texts: Sequence[str] | None = None,
+                  method: str = "entropy") -> Path:
+        """Calibrate the int8 input threshold of every decoder projection of this (float) model on `texts`
+        (default: CALIBRATION_TEXTS) and write them to `output` (default: beside the model), the file
+        `LLM(model, quantization="w8a8")` reads. Returns its path."""
+        if method not in CALIBRATION_METHODS:
+            raise ValueError(f"calibration method must be one of {list(CALIBRATION_METHODS)}, got {method!r}")
+        tokenizer = self.get_tokenizer()
+        sequences = [ids[start:start + CALIBRATION_SEQUENCE_TOKENS]
+                     for ids in (tokenizer.encode(t) for t in texts or CALIBRATION_TEXTS)
+                     for start in range(0, len(ids), CALIBRATION_SEQUENCE_TOKENS)]
+        if not sequences:
+            raise ValueError("no calibration text")
+        engine = self.llm_engine
+        thresholds, absmax = engine.executor.calibrate_activations(sequences, method)
+        path = Path(output) if output else default_calibration_path(engine.model_path)
+        write_calibration(path, engine.model_config, method, sum(map(len, sequences)), thresholds, absmax)
+        return path
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

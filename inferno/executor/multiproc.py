@@ -98,6 +98,10 @@ class MultiprocExecutor:
         """Every rank runs the flat batches of `step` (no request states, no sampling); the logits, on rank 0."""
         return self._on_every_rank(step, self.model_runner.run_step)
 
+    def calibrate_activations(self, sequences: list[list[int]], method: str):
+        raise ValueError("activation calibration runs on one process: use tensor_parallel_size and "
+                         "pipeline_parallel_size 1")
+
     def _on_every_rank(self, message: SchedulerOutput | StepInput, run: Callable):
         if self.closed:
             raise ExecutorDeadError(self.failure or "the executor is shut down")

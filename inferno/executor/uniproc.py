@@ -3,6 +3,7 @@ import torch
 
 from inferno.config import EngineConfig
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.worker.calibration import calibrate_activations
 from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
 
@@ -24,6 +25,11 @@ class UniProcExecutor:
 
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         return self.model_runner.run_step(step)
+
+    def calibrate_activations(self, sequences: list[list[int]], method: str
+                              ) -> tuple[dict[str, float], dict[str, float]]:
+        """Per decoder projection, the clipping threshold of its int8 input and its absmax (worker/calibration.py)."""
+        return calibrate_activations(self.model_runner, sequences, method)
 
     def is_healthy(self) -> bool:
         return True

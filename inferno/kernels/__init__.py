@@ -72,11 +72,11 @@ def quantized_gemv():
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("inferno::int4_q8_matmul")
-    def _(x, packed, group_size):
+    def _(x, packed, group_size, zero_points=False):
         return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("inferno::int4_dequantize")
-    def _(packed, k, group_size, dtype):
+    def _(packed, k, group_size, dtype, zero_points=False):
         return packed.new_empty(packed.shape[0], k, dtype=dtype)
 
     @torch.library.register_fake("inferno::int8_q8_dequantize")

@@ -245,7 +245,8 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
 
 // The int4 layout: per output row, the codes in chunks of 16 blocks of 32 columns (the last chunk may hold fewer,
 // nb blocks), then one float16 scale d per group, then one float16 min per group (w = code * d + min, the GGUF
-// Q4_1 form); a row is one contiguous stream. A chunk is 4 runs of 4 * nb bytes: in run v, bytes 4l..4l+3 hold
+// Q4_1 form) or, with `zero_points`, one integer zero point z per group held in a float16 (w = (code - z) * d, the
+// AWQ / GPTQ form: z * d is exact in float32, not in float16); a row is one contiguous stream. A chunk is 4 runs of 4 * nb bytes: in run v, bytes 4l..4l+3 hold
 // codes 4v..4v+3 of the chunk's block l in their low nibbles and codes 16+4v..16+4v+3 in their high nibbles. So
 // each unpacked run is two vectors with one block per 32-bit lane: one VNNI instruction adds 4 products to each of
 // 16 blocks' sums, 8 instructions finish them, and the float work is per 16 blocks instead of per block.
@@ -269,6 +270,11 @@ inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// The kernels' per-group constant min + 8 d (they sum (code - 8) * xq): (8 - z) * d with zero points, exact.
+inline float int4_zero_point(float d, float min_or_zero, bool zero_points) {
+  return zero_points ? (8.f - min_or_zero) * d : 8.f * d + min_or_zero;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -366,7 +372,7 @@ ChunkedRows chunked_rows(const QuantizedRows& q, int64_t m, int64_t k, int64_t g
 //   sum_k w x = sum_b d_g(b) * xs_b * (sum (c - 8) xq) + sum_g (min_g + 8 d_g) * sum_{k in g} x
 template <int64_t R>
 void int4_rows(const ChunkedRows& x, int64_t r0, __m512i pick, const uint8_t* packed, float* y, int64_t n, int64_t k,
-               int64_t group_size, int64_t begin, int64_t end) {
+               int64_t group_size, bool zero_points, int64_t begin, int64_t end) {
   const int64_t blocks = k / X_BLOCK, chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS, groups = k / group_size;
   const int64_t per_group = group_size / X_BLOCK, row_bytes = int4_row_bytes(k, group_size);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -382,8 +388,9 @@ void int4_rows(const ChunkedRows& x, int64_t r0, __m512i pick, const uint8_t* pa
       const int64_t nb = std::min(CHUNK_BLOCKS, blocks - c * CHUNK_BLOCKS), g0 = c * CHUNK_BLOCKS / per_group;
       const __mmask16 live = static_cast<__mmask16>((1u << (nb / per_group)) - 1);  // the chunk's groups
       const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, d + g0));
-      const __m512 zero_point = _mm512_fmadd_ps(_mm512_set1_ps(8.f), dv,
-                                                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g0)));
+      const __m512 second = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g0));  // min or zero point
+      const __m512 zero_point = zero_points ? _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(8.f), second), dv)
+                                            : _mm512_fmadd_ps(_mm512_set1_ps(8.f), dv, second);
       const __m512 d_blocks = _mm512_permutexvar_ps(pick, dv);
       const __mmask64 run_bytes = nb == CHUNK_BLOCKS ? ~__mmask64{0} : (__mmask64{1} << (4 * nb)) - 1;
       const uint8_t* chunk = row + c * CHUNK_BYTES;
@@ -408,13 +415,13 @@ void int4_rows(const ChunkedRows& x, int64_t r0, __m512i pick, const uint8_t* pa
 }
 
 void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
-                 int64_t group_size) {
+                 int64_t group_size, bool zero_points) {
   const ChunkedRows x = chunked_rows(q, m, k, group_size);
   const __m512i pick = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          __builtin_ctzll(group_size / X_BLOCK));  // lane l: the group of block l
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<VNNI_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
-      int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, begin, end);
+      int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, zero_points, begin, end);
     });
   });
 }
@@ -482,7 +489,7 @@ inline __m256 half_chunk_scales(const uint16_t* d, bool fits, int64_t live, int6
 // int4: output rows [begin, end) for R rows of x (from row r0 of `x`), the sums of the AVX-512 kernel above.
 template <int64_t R>
 void int4_rows(const LaneRows& x, int64_t r0, __m256i pick, const uint8_t* packed, float* y, int64_t n, int64_t k,
-               int64_t group_size, int64_t begin, int64_t end) {
+               int64_t group_size, bool zero_points, int64_t begin, int64_t end) {
   const int64_t blocks = k / X_BLOCK, halves = (blocks + 7) / 8, groups = k / group_size;
   const int64_t per_group = group_size / X_BLOCK, row_bytes = int4_row_bytes(k, group_size);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -518,14 +525,15 @@ void int4_rows(const LaneRows& x, int64_t r0, __m256i pick, const uint8_t* packe
     float rest[R] = {};
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8) {
-      const __m256 zero_point = _mm256_fmadd_ps(
-          _mm256_set1_ps(8.f), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g))));
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
+      const __m256 second = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g)));
+      const __m256 zero_point = zero_points ? _mm256_mul_ps(_mm256_sub_ps(_mm256_set1_ps(8.f), second), dv)
+                                            : _mm256_fmadd_ps(_mm256_set1_ps(8.f), dv, second);
       for (int64_t r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(zero_point, _mm256_loadu_ps(x.group_sums.data() + (r0 + r) * groups + g), acc[r]);
     }
     for (; g < groups; ++g) {
-      const float zero_point = 8.f * _cvtsh_ss(d[g]) + _cvtsh_ss(mins[g]);
+      const float zero_point = int4_zero_point(_cvtsh_ss(d[g]), _cvtsh_ss(mins[g]), zero_points);
       for (int64_t r = 0; r < R; ++r) rest[r] += zero_point * x.group_sums[(r0 + r) * groups + g];
     }
     for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes256(acc[r]) + rest[r];
@@ -533,19 +541,19 @@ void int4_rows(const LaneRows& x, int64_t r0, __m256i pick, const uint8_t* packe
 }
 
 void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
-                 int64_t group_size) {
+                 int64_t group_size, bool zero_points) {
   const LaneRows x = lane_rows(q, m, k, group_size);
   const __m256i pick = _mm256_srlv_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                          _mm256_set1_epi32(__builtin_ctzll(group_size / X_BLOCK)));
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<AVX2_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
-      int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, begin, end);
+      int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, zero_points, begin, end);
     });
   });
 }
 #else  // the same sums, left to the compiler
 void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
-                 int64_t group_size) {
+                 int64_t group_size, bool zero_points) {
   const int64_t blocks = k / X_BLOCK, groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(k);
@@ -561,8 +569,9 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
           for (int64_t i = 0; i < X_BLOCK; ++i)            // unsigned x signed dot product with AVX-VNNI
             dot += int32_t{c[i]} * int32_t{x[i]};
           const int64_t g = b * X_BLOCK / group_size;
-          const float d = half_at(row + k / 2 + 2 * g), min = half_at(row + k / 2 + 2 * (groups + g));
-          acc += static_cast<float>(dot) * d * q.scales[r * blocks + b] + (min + 8 * d) * q.sums[r * blocks + b];
+          const float d = half_at(row + k / 2 + 2 * g), second = half_at(row + k / 2 + 2 * (groups + g));
+          acc += static_cast<float>(dot) * d * q.scales[r * blocks + b] +
+                 int4_zero_point(d, second, zero_points) * q.sums[r * blocks + b];
         }
         y[r * n + j] = acc;
       }
@@ -697,8 +706,10 @@ at::Tensor dequantized(int64_t n, int64_t k, at::ScalarType dtype, const at::Ten
   return w;
 }
 
-// packed [N, int4_row_bytes] uint8 -> W [N, K], w = code * d + min computed in float32
-at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size, at::ScalarType dtype) {
+// packed [N, int4_row_bytes] uint8 -> W [N, K], w = code * d + min computed in float32 (min = -z * d with zero
+// points: exact, and so is the sum)
+at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size, at::ScalarType dtype,
+                           bool zero_points) {
   TORCH_CHECK(group_size % X_BLOCK == 0 && k % group_size == 0,
               "group_size must be a multiple of 32 and k of group_size, got ", group_size, " and ", k);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
@@ -713,7 +724,8 @@ at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_si
         const uint8_t* row = pp + j * row_bytes;
         for (int64_t g = 0; g < groups; ++g) {
           d[g] = half_at(row + k / 2 + 2 * g);
-          mins[g] = half_at(row + k / 2 + 2 * (groups + g));
+          const float second = half_at(row + k / 2 + 2 * (groups + g));
+          mins[g] = zero_points ? -second * d[g] : second;
         }
         auto* out = wp + j * k;
         uint8_t codes[X_BLOCK];
@@ -788,8 +800,8 @@ at::Tensor int8_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at
 }
 
 // x [M, K] float32, K a multiple of group_size (32, 64 or 128); packed [N, int4_row_bytes] uint8 (the
-// int4 layout above) -> [M, N] float32
-at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t group_size) {
+// int4 layout above, its second float16 per group a zero point when `zero_points`) -> [M, N] float32
+at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, bool zero_points) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
   TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, "group_size must be 32, 64 or 128, got ",
               group_size);
@@ -801,7 +813,7 @@ at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   int4_matmul(quantize_rows(x.data_ptr<float>(), m, k), packed.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k,
-              group_size);
+              group_size, zero_points);
   return y;
 }
 
@@ -811,8 +823,8 @@ TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("int8_group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
   m.def("int8_group_dequantize(Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
   m.def("int8_q8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group_size) -> Tensor");
-  m.def("int4_q8_matmul(Tensor x, Tensor packed, int group_size) -> Tensor");
-  m.def("int4_dequantize(Tensor packed, int k, int group_size, ScalarType dtype) -> Tensor");
+  m.def("int4_q8_matmul(Tensor x, Tensor packed, int group_size, bool zero_points=False) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, int k, int group_size, ScalarType dtype, bool zero_points=False) -> Tensor");
   m.def("int8_q8_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group_size, ScalarType dtype) -> Tensor");
 }
 

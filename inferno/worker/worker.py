@@ -62,7 +62,8 @@ class Worker:
         if self.device.type == "cuda" and quantization == "auto":
             # the int4/int8 kernels are the CPU's: on a GPU a GGUF file's quantized blocks become the model dtype
             quantization = None
-        loaded = load_model(config.model, config.torch_dtype, parallel, quantization, config.quantization_group_size)
+        loaded = load_model(config.model, config.torch_dtype, parallel, quantization, config.quantization_group_size,
+                            config.calibration)
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -1,0 +1,44 @@
+"""Activation calibration on this rank's model: sample sequences run as prefills (twice: the inputs' range, then
+their histograms) with an ActivationRecorder on every decoder projection."""
+import torch
+
+from inferno.core.kv_blocks import cdiv
+from inferno.layers.activation_calibration import ActivationRecorder
+from inferno.layers.w8a8 import decoder_linears
+from inferno.worker.input_batch import MicroBatch, StepInput
+from inferno.worker.model_runner import ModelRunner
+
+
+def prefill_step(token_ids: list[int], block_size: int) -> StepInput:
+    """One sequence from position 0 in KV blocks 0, 1, … (so slot = position), no logits. Calibration runs while
+    no request holds blocks."""
+    n = len(token_ids)
+    mb = MicroBatch(list(token_ids), list(range(n)), list(range(n)), decodes=[],
+                    prefills=[(n, 0, list(range(cdiv(n, block_size))))], logit_rows=[])
+    return StepInput([mb], [])
+
+
+@torch.inference_mode()
+def calibrate_activations(runner: ModelRunner, sequences: list[list[int]], method: str
+                          ) -> tuple[dict[str, float], dict[str, float]]:
+    """(threshold, absmax) per decoder projection, by name, over the inputs of `sequences`."""
+    linears = decoder_linears(runner.model)
+    if not linears:
+        raise ValueError("the model has no float projections to calibrate: load it with quantization=None "
+                         "(`--quantization none`)")
+    block_size, num_blocks = runner.block_size, runner.num_blocks
+    longest = max(len(s) for s in sequences)
+    if cdiv(longest, block_size) > num_blocks:
+        raise ValueError(f"a calibration sequence of {longest} tokens does not fit the KV cache's {num_blocks} "
+                         f"blocks of {block_size}")
+    steps = [prefill_step(ids, block_size) for ids in sequences]
+    recorder = ActivationRecorder(linears)
+    try:
+        for step in steps:
+            runner.run_step(step)
+        recorder.start_histograms()
+        for step in steps:
+            runner.run_step(step)
+        return recorder.thresholds(method), recorder.absmax
+    finally:
+        recorder.remove()
