@@ -54,9 +54,9 @@ class TritonAttentionBackend:
     def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor) -> TritonMetadata:
         """Decode rows only, from tensors (what a compiled or captured decode step traces)."""
-        empty = block_tables[:0]
-        return TritonMetadata(slot_mapping, block_tables.shape[0], block_tables, seq_lens, empty,
-                              seq_lens[:1] * 0, seq_lens[:0], 0)
+        no_prefills = seq_lens[:0]
+        return TritonMetadata(slot_mapping, block_tables.shape[0], block_tables, seq_lens, block_tables[:0],
+                              no_prefills, no_prefills, 0)
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
