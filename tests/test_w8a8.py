@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import prefill_logits
 from inferno import LLM
 from inferno.entrypoints.cli import main
-from inferno.layers.activation_calibration import QUANTIZED_BINS, SMOOTHING, entropy_threshold
+from inferno.layers.activation_calibration import QUANTIZED_BINS, SMOOTHING, entropy_threshold, smoothing_factors
 from inferno.layers.w8a8 import W8A8_FROM_ROWS, W8A8Linear
 from test_architectures import prompts
 from tiny_models import write_hf_model
@@ -74,14 +74,22 @@ def test_calibrated_thresholds_stay_within_absmax(calibration_file):
 def test_w8a8_linear_is_close_to_float():
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 96)
+    outliers = torch.ones(256)
+    outliers[[3, 77]] = 30.0  # two input channels with outliers, which smoothing scales down
     for rows in (W8A8_FROM_ROWS, 100, 3):  # int8 x int8, and the weight-only path of decode-sized batches
-        x = torch.randn(rows, 256)
-        layer = W8A8Linear(linear.weight, linear.bias, threshold=x.abs().max().item())
-        y, want = layer(x), F.linear(x, linear.weight, linear.bias)
-        assert ((y - want).norm() / want.norm()).item() < 2e-2
+        x = torch.randn(rows, 256) * outliers
+        want = F.linear(x, linear.weight, linear.bias)
+        smoothing = smoothing_factors(x.abs().amax(dim=0), linear.weight, 0.5)
+        errors = []
+        for s in (None, smoothing):
+            threshold = (x.abs() if s is None else x.abs() / s).max().item()
+            y = W8A8Linear(linear.weight, linear.bias, threshold, s)(x)
+            errors.append(((y - want).norm() / want.norm()).item())
+        assert errors[1] < 2e-2 and (rows < W8A8_FROM_ROWS or errors[1] < errors[0])  # smoothing helps int8 inputs
+    layer = W8A8Linear(linear.weight, linear.bias, threshold, smoothing)
     layer.native = False  # the integer product on the PyTorch path: the same integers, the same result
-    x = torch.randn(64, 256)
-    torch.testing.assert_close(layer(x), W8A8Linear(linear.weight, linear.bias, layer.threshold)(x),
+    x = torch.randn(64, 256) * outliers
+    torch.testing.assert_close(layer(x), W8A8Linear(linear.weight, linear.bias, threshold, smoothing)(x),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -121,6 +129,11 @@ def test_missing_or_mismatched_calibration_is_a_value_error(tmp_path, tiny_folde
     (tmp_path / "partial.json").write_text(json.dumps(document))
     with pytest.raises(ValueError, match="does not fit this model: 1 of its layers have no threshold"):
         LLM(str(tiny_folder), calibration=str(tmp_path / "partial.json"), **args)
+    document = json.loads(calibration_file.read_text())
+    document["layers"]["layers.0.mlp.down_proj"]["smoothing"] = [1.0] * 3
+    (tmp_path / "short.json").write_text(json.dumps(document))
+    with pytest.raises(ValueError, match="has 128 inputs but 3 smoothing factors"):
+        LLM(str(tiny_folder), calibration=str(tmp_path / "short.json"), **args)
     document["layers"]["layers.0.mlp.down_proj"]["threshold"] = -1.0
     (tmp_path / "negative.json").write_text(json.dumps(document))
     with pytest.raises(ValueError, match="expected a positive number"):

@@ -14,7 +14,7 @@ from inferno.config import (ATTENTION_BACKENDS, CALIBRATION_METHODS, DEVICES, DT
 from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
 from inferno.engine.input_processor import PromptType
 from inferno.engine.llm_engine import LLMEngine
-from inferno.entrypoints.llm import LLM
+from inferno.entrypoints.llm import DEFAULT_SMOOTHING, LLM
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.server.cli_args import add_server_args, server_config
 
@@ -197,7 +197,7 @@ def run_calibrate(args: argparse.Namespace) -> None:
     llm = LLM(args.model, dtype="float32", quantization=None, kv_cache_memory=64 << 20, enforce_eager=True,
               num_threads=args.num_threads)
     try:
-        path = llm.calibrate(args.output, texts, args.method)
+        path = llm.calibrate(args.output, texts, args.method, args.smoothing)
     finally:
         llm.llm_engine.shutdown()
     print(f"wrote {path}")
@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     calibrate.add_argument("--method", choices=CALIBRATION_METHODS, default="entropy",
                            help="entropy: the threshold minimising the KL divergence of the clipped, quantized "
                                 "inputs from the float ones (TensorRT's); absmax: the largest input seen")
+    calibrate.add_argument("--smoothing", type=float, default=DEFAULT_SMOOTHING,
+                           help="SmoothQuant migration strength alpha in [0, 1]: input channels are divided by "
+                                "max|x|^alpha / max|w|^(1-alpha) and weight columns multiplied by it (0: none)")
     calibrate.add_argument("--text-file", action="append", default=None,
                            help="UTF-8 text to calibrate on (repeatable; default: a built-in sample)")
     calibrate.add_argument("--num-threads", type=int, default=None)

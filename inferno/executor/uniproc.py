@@ -26,10 +26,10 @@ class UniProcExecutor:
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         return self.model_runner.run_step(step)
 
-    def calibrate_activations(self, sequences: list[list[int]], method: str
-                              ) -> tuple[dict[str, float], dict[str, float]]:
-        """Per decoder projection, the clipping threshold of its int8 input and its absmax (worker/calibration.py)."""
-        return calibrate_activations(self.model_runner, sequences, method)
+    def calibrate_activations(self, sequences: list[list[int]], method: str, alpha: float) -> dict[str, dict]:
+        """Per decoder projection: smoothing factors and the clipping threshold of its int8 input
+        (worker/calibration.py)."""
+        return calibrate_activations(self.model_runner, sequences, method, alpha)
 
     def is_healthy(self) -> bool:
         return True

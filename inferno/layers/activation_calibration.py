@@ -52,35 +52,53 @@ def clipping_divergence(hist: np.ndarray, i: int) -> float:
     return float(np.sum(p[present] * np.log(p[present] / q[present])))
 
 
+def smoothing_factors(channel_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors s = max|x_j|^alpha / max|W_:,j|^(1 - alpha): x / s and W * s
+    compute the same product, with the activations' outlier channels scaled down and the weights' columns up by
+    as much, so that one per-tensor threshold fits the activations. alpha 0: no smoothing."""
+    if alpha == 0:
+        return torch.ones_like(channel_absmax)
+    weight_absmax = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+    return (channel_absmax.clamp(min=1e-5) ** alpha / weight_absmax ** (1 - alpha)).clamp(min=1e-5)
+
+
 class ActivationRecorder:
-    """Forward pre-hooks on `layers` recording their inputs: each layer's absmax, then, after `start_histograms`,
-    histograms of |x| over [0, absmax] (run the same inputs twice); `thresholds` turns them into clipping
-    thresholds."""
+    """Forward pre-hooks on `layers` recording their inputs: each input channel's absmax, then, after
+    `start_histograms(alpha)` has fixed the layers' smoothing factors (`smoothing_factors`), histograms of the
+    smoothed |x / s| over [0, their absmax] (run the same inputs twice); `calibration` turns them into thresholds."""
 
     def __init__(self, layers: dict[str, nn.Module]):
-        self.absmax = {name: 0.0 for name in layers}
+        self.layers = layers
+        self.channel_absmax = {name: torch.zeros(layer.in_features) for name, layer in layers.items()}
+        self.smoothing: dict[str, torch.Tensor] = {}
+        self.absmax: dict[str, float] = {}
         self.hists: dict[str, torch.Tensor] = {}
         self.handles = [layer.register_forward_pre_hook(self._hook(name)) for name, layer in layers.items()]
 
     def _hook(self, name: str):
         def record(module: nn.Module, args: tuple) -> None:
-            x = args[0].detach().float().abs()
+            x = args[0].detach().float().abs().reshape(-1, module.in_features)
             if name not in self.hists:
-                self.absmax[name] = max(self.absmax[name], x.max().item())
+                torch.maximum(self.channel_absmax[name], x.amax(dim=0), out=self.channel_absmax[name])
             else:
-                self.hists[name] += torch.histc(x, NUM_BINS, 0.0, self.absmax[name])
+                self.hists[name] += torch.histc(x / self.smoothing[name], NUM_BINS, 0.0, self.absmax[name])
         return record
 
-    def start_histograms(self) -> None:
-        for name, absmax in self.absmax.items():
-            if absmax == 0.0:
+    def start_histograms(self, alpha: float) -> None:
+        for name, channel_absmax in self.channel_absmax.items():
+            if channel_absmax.max() == 0.0:
                 raise ValueError(f"layer {name!r} saw no input (or only zeros) during calibration")
+            self.smoothing[name] = smoothing_factors(channel_absmax, self.layers[name].weight, alpha)
+            self.absmax[name] = (channel_absmax / self.smoothing[name]).max().item()
             self.hists[name] = torch.zeros(NUM_BINS, dtype=torch.float64)
 
-    def thresholds(self, method: str) -> dict[str, float]:
-        if method == "absmax":
-            return dict(self.absmax)
-        return {name: entropy_threshold(self.hists[name].numpy(), self.absmax[name]) for name in self.absmax}
+    def calibration(self, method: str) -> dict[str, dict]:
+        """Per layer: the clipping threshold of its smoothed input ("entropy" or "absmax"), that input's absmax and
+        the smoothing factors (a list per input channel)."""
+        return {name: {"threshold": absmax if method == "absmax" else entropy_threshold(self.hists[name].numpy(),
+                                                                                      absmax),
+                       "absmax": absmax, "smoothing": self.smoothing[name].tolist()}
+                for name, absmax in self.absmax.items()}
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -1,10 +1,17 @@
 """W8A8: int8 weights and int8 activations with calibrated static thresholds, for prefill-sized batches.
 
-Weights: symmetric per output channel (absmax). Activations: one clipping threshold T per layer input, calibrated
-on sample text (activation_calibration.py): x ≈ clamp(round(x · 127 / T), ±127) · T / 127, stored as unsigned
-bytes with zero point 128. The product runs in integers in oneDNN's u8 x s8 GEMM (`torch.ops.onednn.
-qlinear_pointwise`, float32 out, per-channel weight scales applied there); `torch._int_mm` is a plain loop on CPU
-(about 30x slower than the float32 GEMM, benchmarks/RESULTS.md).
+Per layer, calibrated on sample text (activation_calibration.py): SmoothQuant factors s (one per input channel)
+and one threshold T of the smoothed input x / s. Weights: W · s (columns), symmetric per output channel (absmax).
+Activations: a token (row) whose smoothed values stay within T is quantized with the static scale T / 127,
+x / s ≈ round(x / s · 127 / T) · T / 127; a row that goes beyond T gets its own absmax / 127 instead of being
+clipped. Clipping at T, as TensorRT does, wrecked SmolLM2: its rare tokens with massive activations (up to ~40
+against an entropy threshold of ~2.5 at down_proj's input) carry the attention sink. Top-1 agreement with float32
+on benchmarks/quality.py's texts (smoothing 0.5, entropy thresholds): 22 % clipping every row, 66 % giving rows
+beyond 4T their own scale, 94 % giving every row beyond T its own scale (this layer). Codes are unsigned bytes with
+zero point 128; the GEMM runs with scale 1 and the row scales multiply its float32 output. The product runs in
+integers in oneDNN's u8 x s8 GEMM (`torch.ops.onednn.qlinear_pointwise`, float32 out, per-channel weight scales
+applied there): 6 ms against 15 ms for the float32 GEMM and 110 ms for bfloat16 on a 512 x 576 x 1536 product,
+one thread, AVX2 Zen 3; `torch._int_mm` is a plain loop on CPU (411 ms).
 
 Without VNNI the GEMM multiplies with `vpmaddubsw`, which adds two u8 x s8 products in a saturating int16:
 255 · 127 · 2 overflows it. There the weights get 7-bit codes (±63; 255 · 63 · 2 < 2^15, exact) and the
@@ -27,10 +34,12 @@ WEIGHT_LEVELS = 127 if {"avx512_vnni", "avx_vnni"} & cpu_flags() else 63
 
 
 class W8A8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: float,
+                 smoothing: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()
+        smoothing = torch.ones(self.in_features) if smoothing is None else smoothing.float()
+        w = weight.detach().float() * smoothing
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / WEIGHT_LEVELS
         self.register_buffer("weight", torch.round(w / scales.unsqueeze(1)).clamp(-WEIGHT_LEVELS, WEIGHT_LEVELS)
                              .to(torch.int8).contiguous())
@@ -40,23 +49,29 @@ class W8A8Linear(nn.Module):
         self.register_buffer("weight_zero_points", torch.zeros(self.out_features, dtype=torch.long))
         self.threshold = threshold
         self.input_scale = threshold / ACTIVATION_LEVELS
+        self.register_buffer("inverse_smoothing", 1 / smoothing)
         self.native = torch.backends.mkldnn.is_available()
         self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None) if self.native else None
 
-    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
-        """[M, K] float -> uint8 codes (zero point 128), clipped at ±threshold."""
-        codes = torch.round(x.float() / self.input_scale).clamp_(-ACTIVATION_LEVELS, ACTIVATION_LEVELS)
-        return (codes + ACTIVATION_ZERO_POINT).to(torch.uint8)
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M, K] float -> uint8 codes of x / smoothing (zero point 128) and the row scales [M, 1]: threshold / 127,
+        or a row's own absmax / 127 when the row goes beyond the threshold (see the module docstring)."""
+        smoothed = x.float() * self.inverse_smoothing
+        scales = torch.clamp(smoothed.abs().amax(dim=1, keepdim=True), min=self.threshold) / ACTIVATION_LEVELS
+        codes = torch.round(smoothed / scales).clamp_(-ACTIVATION_LEVELS, ACTIVATION_LEVELS)
+        return (codes + ACTIVATION_ZERO_POINT).to(torch.uint8), scales
 
     def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The integer product of quantized x and the weight codes, scaled to float32 [M, N] (plus bias)."""
-        codes = self.quantize_input(x)
-        if self.native:
-            return torch.ops.onednn.qlinear_pointwise(
-                codes, self.input_scale, ACTIVATION_ZERO_POINT, self.packed, self.scales, self.weight_zero_points,
-                self.bias, 1.0, 0, torch.float32, "none", [], "")
-        x_dequantized = (codes.float() - ACTIVATION_ZERO_POINT) * self.input_scale
-        return F.linear(x_dequantized, self.weight.float() * self.scales.unsqueeze(1), self.bias)
+        codes, row_scales = self.quantize_input(x)
+        if self.native:  # the row scales are applied after: the GEMM sees a scale of 1
+            y = torch.ops.onednn.qlinear_pointwise(
+                codes, 1.0, ACTIVATION_ZERO_POINT, self.packed, self.scales, self.weight_zero_points,
+                None, 1.0, 0, torch.float32, "none", [], "")
+        else:
+            y = F.linear(codes.float() - ACTIVATION_ZERO_POINT, self.weight.float() * self.scales.unsqueeze(1))
+        y = y * row_scales
+        return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -64,7 +79,8 @@ class W8A8Linear(nn.Module):
         if x2.shape[0] >= W8A8_FROM_ROWS:
             y = self.int8_matmul(x2)
         else:
-            y = torch._weight_int8pack_mm(x2.bfloat16(), self.weight, self.scales_bf16).float()
+            smoothed = (x2.float() * self.inverse_smoothing).bfloat16()
+            y = torch._weight_int8pack_mm(smoothed, self.weight, self.scales_bf16).float()
             y = y if self.bias is None else y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
@@ -74,16 +90,20 @@ def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {name: m for name, m in model.named_modules() if name.startswith("layers.") and isinstance(m, nn.Linear)}
 
 
-def quantize_w8a8(model: nn.Module, thresholds: dict[str, float]) -> None:
-    """Swap every decoder projection for a W8A8Linear with its input's calibrated threshold."""
+def quantize_w8a8(model: nn.Module, calibration: dict[str, tuple[float, torch.Tensor]]) -> None:
+    """Swap every decoder projection for a W8A8Linear with its calibrated (threshold, smoothing factors)."""
     linears = decoder_linears(model)
-    missing = sorted(set(linears) - set(thresholds))
-    unknown = sorted(set(thresholds) - set(linears))
+    missing = sorted(set(linears) - set(calibration))
+    unknown = sorted(set(calibration) - set(linears))
     if missing or unknown:
         raise ValueError(f"the calibration does not fit this model: {len(missing)} of its layers have no threshold "
                          f"({', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}) and {len(unknown)} thresholds "
                          f"name no layer of it ({', '.join(unknown[:3])}{' …' if len(unknown) > 3 else ''}); "
                          "calibrate this model with `inferno calibrate`")
     for name, linear in linears.items():
+        threshold, smoothing = calibration[name]
+        if smoothing.shape != (linear.in_features,):
+            raise ValueError(f"the calibration does not fit this model: layer {name!r} has {linear.in_features} "
+                             f"inputs but {smoothing.numel()} smoothing factors")
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, W8A8Linear(linear.weight, linear.bias, thresholds[name]))
+        setattr(model.get_submodule(parent), attr, W8A8Linear(linear.weight, linear.bias, threshold, smoothing))

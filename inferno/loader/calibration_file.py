@@ -1,14 +1,18 @@
-"""Activation calibration files: per decoder projection, the clipping threshold of its int8 input (and the absmax
-seen), written by `inferno calibrate` beside the model and read when `quantization="w8a8"`. JSON:
+"""Activation calibration files: per decoder projection, its SmoothQuant factors (one per input channel) and the
+clipping threshold of its smoothed int8 input (and that input's absmax), written by `inferno calibrate` beside the
+model and read when `quantization="w8a8"`. JSON:
 
-    {"format": "inferno-activation-calibration", "version": 1, "method": "entropy", "num_tokens": 512,
+    {"format": "inferno-activation-calibration", "version": 1, "method": "entropy", "smoothing": 0.5,
+     "num_tokens": 512,
      "model": {"architecture": "llama", "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536},
-     "layers": {"layers.0.self_attn.qkv_proj": {"threshold": 3.1, "absmax": 9.7}, ...}}
+     "layers": {"layers.0.self_attn.qkv_proj": {"threshold": 3.1, "absmax": 9.7, "smoothing": [0.8, ...]}, ...}}
 """
 import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from inferno.config import ModelConfig
 
@@ -35,16 +39,19 @@ def default_calibration_path(model_path: str) -> Path:
     return path / "activation_calibration.json" if path.is_dir() else path.with_name(path.name + ".calibration.json")
 
 
-def write_calibration(path: Path, config: ModelConfig, method: str, num_tokens: int,
-                      thresholds: dict[str, float], absmax: dict[str, float]) -> None:
-    layers = {name: {"threshold": thresholds[name], "absmax": absmax[name]} for name in sorted(thresholds)}
-    document = {"format": FORMAT, "version": VERSION, "method": method, "num_tokens": num_tokens,
-                "model": asdict(ModelShape.of(config)), "layers": layers}
-    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+def write_calibration(path: Path, config: ModelConfig, method: str, alpha: float, num_tokens: int,
+                      layers: dict[str, dict]) -> None:
+    """`layers`: per layer name, {"threshold", "absmax", "smoothing"} (ActivationRecorder.calibration)."""
+    document = {"format": FORMAT, "version": VERSION, "method": method, "smoothing": alpha, "num_tokens": num_tokens,
+                "model": asdict(ModelShape.of(config)),
+                "layers": {name: {"threshold": entry["threshold"], "absmax": entry["absmax"],
+                                  "smoothing": [float(f"{s:.7g}") for s in entry["smoothing"]]}
+                           for name, entry in sorted(layers.items())}}
+    Path(path).write_text(json.dumps(document) + "\n")
 
 
-def read_calibration(path: Path, config: ModelConfig) -> dict[str, float]:
-    """Layer name -> threshold, checked against the model's shape."""
+def read_calibration(path: Path, config: ModelConfig) -> dict[str, tuple[float, torch.Tensor]]:
+    """Layer name -> (threshold, smoothing factors), checked against the model's shape."""
     path = Path(path)
     hint = "write one with `inferno calibrate MODEL --output FILE`"
     if not path.is_file():
@@ -60,11 +67,15 @@ def read_calibration(path: Path, config: ModelConfig) -> dict[str, float]:
     if document.get("model") != shape:
         raise ValueError(f"calibration file {str(path)!r} was made for another model ({document.get('model')}, "
                          f"this one is {shape}); {hint}")
-    thresholds = {}
+    layers = {}
     for name, entry in document.get("layers", {}).items():
         threshold = entry.get("threshold") if isinstance(entry, dict) else None
         if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or threshold <= 0:
             raise ValueError(f"calibration file {str(path)!r}: layer {name!r} has threshold {threshold!r}, "
                              "expected a positive number")
-        thresholds[name] = float(threshold)
-    return thresholds
+        smoothing = torch.tensor(entry.get("smoothing") or [], dtype=torch.float32)
+        if smoothing.dim() != 1 or not torch.all(torch.isfinite(smoothing) & (smoothing > 0)):
+            raise ValueError(f"calibration file {str(path)!r}: layer {name!r} needs a list of positive smoothing "
+                             "factors, one per input feature")
+        layers[name] = (float(threshold), smoothing)
+    return layers

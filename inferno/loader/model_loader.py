@@ -87,16 +87,17 @@ def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SI
                            "AWQ / GPTQ weights are dequantized to float", parallel.tp_size)
         weights = hf_loader.iter_weights(p, native_int4=quantization == "auto" and parallel.tp_size == 1)
         tokenizer = Tokenizer.from_hf_folder(path)
-    thresholds = None
+    calibrated = None
     if quantization == "w8a8":
-        thresholds = read_calibration(calibration or default_calibration_path(path), config)
-    model = build_model(config, dtype, weights, parallel, quantization, group_size, thresholds)
+        calibrated = read_calibration(calibration or default_calibration_path(path), config)
+    model = build_model(config, dtype, weights, parallel, quantization, group_size, calibrated)
     return LoadedModel(model, config, tokenizer, path)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor | Blocks]],
                 parallel: ParallelRank = SINGLE, quantization: str | None = None,
-                group_size: int = 32, thresholds: dict[str, float] | None = None) -> LlamaForCausalLM:
+                group_size: int = 32, calibrated: dict[str, tuple[float, torch.Tensor]] | None = None
+                ) -> LlamaForCausalLM:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -111,7 +112,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple
     if quantization == "auto":
         load_native_layers(model, prequantized)
     elif quantization == "w8a8":
-        quantize_w8a8(model, thresholds)
+        quantize_w8a8(model, calibrated)
     elif quantization is not None:
         quantize_linears(model, quantization, group_size, prequantized)
     return model.eval().requires_grad_(False)

@@ -19,9 +19,11 @@ def prefill_step(token_ids: list[int], block_size: int) -> StepInput:
 
 
 @torch.inference_mode()
-def calibrate_activations(runner: ModelRunner, sequences: list[list[int]], method: str
-                          ) -> tuple[dict[str, float], dict[str, float]]:
-    """(threshold, absmax) per decoder projection, by name, over the inputs of `sequences`."""
+def calibrate_activations(runner: ModelRunner, sequences: list[list[int]], method: str, alpha: float
+                          ) -> dict[str, dict]:
+    """Per decoder projection, by name, over the inputs of `sequences`: its smoothing factors (SmoothQuant's
+    `alpha`), the clipping threshold of its smoothed input (`method`) and that input's absmax
+    (ActivationRecorder.calibration)."""
     linears = decoder_linears(runner.model)
     if not linears:
         raise ValueError("the model has no float projections to calibrate: load it with quantization=None "
@@ -36,9 +38,9 @@ def calibrate_activations(runner: ModelRunner, sequences: list[list[int]], metho
     try:
         for step in steps:
             runner.run_step(step)
-        recorder.start_histograms()
+        recorder.start_histograms(alpha)
         for step in steps:
             runner.run_step(step)
-        return recorder.thresholds(method), recorder.absmax
+        return recorder.calibration(method)
     finally:
         recorder.remove()
