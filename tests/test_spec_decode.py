@@ -300,9 +300,10 @@ def test_token_times_include_the_proposal_made_before_the_step_returns(self_draf
     proposer = self_draft_llm.llm_engine.executor.worker.proposer
     propose, delay = proposer.propose, 0.3
 
-    def slow_propose(planned):
-        propose(planned)
+    def slow_propose(requests):
+        drafts = propose(requests)
         time.sleep(delay)
+        return drafts
     monkeypatch.setattr(proposer, "propose", slow_propose)
     outputs = self_draft_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     for out in outputs:
