@@ -43,9 +43,10 @@ def profile(args, k: int) -> tuple[float, dict]:
               speculative_config=spec)
     engine, times = llm.llm_engine, collections.defaultdict(list)
     timed(engine.model_runner, "execute_model", times, lambda *a: "target step")
-    if engine.proposer is not None:
-        timed(engine.proposer, "propose", times, lambda *a: "proposal")
-        timed(engine.proposer, "_step", times, draft_pass_label)
+    proposer = engine.executor.worker.proposer
+    if proposer is not None:
+        timed(proposer, "propose", times, lambda *a: "proposal")
+        timed(proposer, "_step", times, draft_pass_label)
     messages, params = task_messages("grounded")[0], SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.chat(messages, params, use_tqdm=False)  # warm-up
     times.clear()

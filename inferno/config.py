@@ -278,10 +278,6 @@ class EngineConfig:
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
         self._verify_kv_transfer()
-        spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model" and self.world_size > 1:
-            raise ValueError("speculative decoding with a draft model runs on one process: it cannot be combined with "
-                             "tensor_parallel_size or pipeline_parallel_size > 1 (method 'ngram' can)")
 
     def _verify_kv_transfer(self) -> None:
         for name, allowed in (("kv_role", (None, *KV_ROLES)), ("kv_transfer_backend", KV_TRANSFER_BACKENDS),

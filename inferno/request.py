@@ -62,9 +62,6 @@ class Request(TokenCounts):
         self.cumulative_logprob = 0.0
         self.logprobs: list[PositionLogprobs] = []
         self.prompt_logprobs: list[PositionLogprobs | None] = [None] if sampling_params.prompt_logprobs is not None else []
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         # disaggregated prefill/decode: where this request's prompt KV waits (decode side, until it arrives), and
         # where it left it for a decode instance (prefill side, once finished)

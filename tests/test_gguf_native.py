@@ -201,7 +201,7 @@ def test_draft_model_speculation_runs_as_stored_and_accepts_itself(tmp_path):
     path = plain.llm_engine.model_path
     spec = LLM(kv_cache_memory=32 << 20, speculative_config={"method": "draft_model", "model": path,
                                                              "num_speculative_tokens": 3})
-    assert isinstance(spec.llm_engine.proposer.runner.model.layers[0].mlp.down_proj, Int4Linear)
+    assert isinstance(spec.llm_engine.executor.worker.proposer.runner.model.layers[0].mlp.down_proj, Int4Linear)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = "The capital of France is"
     expected = plain.generate(prompt, params)[0].outputs[0].token_ids

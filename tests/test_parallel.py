@@ -131,10 +131,29 @@ def test_ngram_speculation_with_pipeline_parallelism_matches_plain_decoding(llm)
         assert out.outputs[0].token_ids[:n] == ref.outputs[0].token_ids[:n]
 
 
-def test_draft_model_speculation_is_rejected_with_parallelism():
-    with pytest.raises(ValueError, match="draft model runs on one process"):
-        LLM(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "draft.gguf",
-                                                        "num_speculative_tokens": 3})
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_draft_model_speculation_with_parallelism_matches_plain_decoding(llm, model_path, layout):
+    """The target split over 2 ranks, the draft (the default model as its own draft) whole on rank 0: greedy tokens
+    as one process gives without speculation, alone and batched, with drafts accepted and no block leaked."""
+    prompts = ["The cat sat on the mat. The dog sat on the log. The cat sat on the", PROMPTS[0]]
+    reference = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True),
+                             use_tqdm=False)
+    clear = [num_clear_positions([top2_gap(step) for step in ref.outputs[0].logprobs], LOGIT_TOLERANCE, min_compared)
+             for ref, min_compared in zip(reference, (8, 1))]
+    spec = {"method": "draft_model", "model": model_path, "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with parallel_llm(kv_cache_memory=16 << 20, speculative_config=spec, **LAYOUTS[layout], **FLOAT32) as spec_llm:
+        engine = spec_llm.llm_engine
+        draft = engine.executor.worker.proposer.runner.model
+        assert param_bytes(draft) == param_bytes(llm.llm_engine.model_runner.model)  # not split
+        alone = spec_llm.generate(prompts[0], params, use_tqdm=False)
+        batched = spec_llm.generate(prompts, params, use_tqdm=False)
+        assert engine.spec_decoding_stats.num_accepted_tokens > 0
+        assert engine.num_free_blocks == engine.num_blocks
+    for ref, out, n in zip(reference, alone, clear):
+        assert out.outputs[0].token_ids[:n] == ref.outputs[0].token_ids[:n]
+    for ref, out, n in zip(reference, batched, clear):
+        assert out.outputs[0].token_ids[:n] == ref.outputs[0].token_ids[:n]
 
 
 def test_pipeline_with_int4_weights_and_int8_kv_cache_matches_one_process():

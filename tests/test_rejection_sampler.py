@@ -10,7 +10,7 @@ import torch
 from inferno.config import EngineConfig, SpeculativeConfig
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.sampler import SamplingMetadata
-from inferno.spec_decode.ngram import ngram_lookup
+from inferno.worker.spec_decode.ngram import ngram_lookup
 
 P_VALUE_THRESHOLD = 1e-3
 NUM_TRIALS = 20000

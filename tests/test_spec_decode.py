@@ -258,7 +258,7 @@ def test_low_acceptance_draft_stops_proposing_and_output_is_unchanged(model_path
                        speculative_config={"method": "draft_model", "model": random_draft, "num_speculative_tokens": 3,
                                            "draft_acceptance_threshold": threshold})
         engine = spec_llm.llm_engine
-        draft_passes = count_calls(engine.proposer.runner, "forward")
+        draft_passes = count_calls(engine.executor.worker.proposer.runner, "forward")
         assert token_ids(spec_llm, prompts, greedy()) == reference
         results[threshold] = (draft_passes[0], engine.spec_decoding_stats)
     (passes_off, off), (passes_on, on) = results[0.0], results[0.3]
@@ -284,8 +284,9 @@ def test_draft_model_kv_cache_shares_kv_cache_memory(model_path, random_draft, d
         "method": "draft_model", "model": model_path if draft == "itself" else random_draft,
         "num_speculative_tokens": 3})
     engine = spec_llm.llm_engine
-    target_bytes, draft_bytes = cache_bytes(engine.model_runner.model), cache_bytes(engine.proposer.runner.model)
-    assert engine.proposer.runner.num_blocks == engine.num_blocks
+    draft_runner = engine.executor.worker.proposer.runner
+    target_bytes, draft_bytes = cache_bytes(engine.model_runner.model), cache_bytes(draft_runner.model)
+    assert draft_runner.num_blocks == engine.num_blocks
     assert target_bytes == engine.num_blocks * target_block
     assert target_bytes + draft_bytes <= budget
     assert engine.num_blocks == budget // (target_block + draft_bytes // engine.num_blocks)
@@ -296,12 +297,13 @@ def test_draft_model_kv_cache_shares_kv_cache_memory(model_path, random_draft, d
 def test_token_times_include_the_proposal_made_before_the_step_returns(self_draft_llm, prompts, monkeypatch):
     """A step hands its tokens out after proposing the next drafts (the draft model's prefill of a new prompt
     included): a token's time is when the step returns, and each request's times are in order."""
-    proposer = self_draft_llm.llm_engine.proposer
+    proposer = self_draft_llm.llm_engine.executor.worker.proposer
     propose, delay = proposer.propose, 0.3
 
-    def slow_propose(planned):
-        propose(planned)
+    def slow_propose(requests):
+        drafts = propose(requests)
         time.sleep(delay)
+        return drafts
     monkeypatch.setattr(proposer, "propose", slow_propose)
     outputs = self_draft_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     for out in outputs:

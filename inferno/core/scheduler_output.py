@@ -60,3 +60,21 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # request id -> per prompt position: ([1 + k] token ids, [1 + k] logprobs, rank of the prompt token)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """A request the speculation policy wants drafts for, after its step's output was applied (engine side)."""
+    req_id: str
+    num_draft_tokens: int  # at most this many
+    new_token_ids: list[int]  # its tokens the worker was not sent yet (the step's emitted ones)
+    num_preemptions: int  # each preemption gave its blocks away, and with them the draft K/V written there
+
+
+@dataclass(slots=True)
+class DraftOutput:
+    """What rank 0's proposer returns: request id -> drafts (fewer than asked, or none, where the n-gram found no
+    match or the reserved KV slots end), and the draft model's distributions for them ([k, vocab], on the CPU;
+    sampled requests only)."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -19,9 +19,7 @@ from inferno.executor import ExecutorDeadError, make_executor
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
 from inferno.sampling_params import SamplingParams
-from inferno.spec_decode.draft_model import DraftModelProposer
 from inferno.spec_decode.metrics import SpecDecodingStats
-from inferno.spec_decode.ngram import NgramProposer
 from inferno.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("inferno")
@@ -59,11 +57,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, stop_checker, self.structured_output,
                                    self.kv_transfers)
         self.beam_searches: dict[str, BeamSearch] = {}
-        try:
-            self.proposer = self._proposer()
-        except Exception:
-            self.executor.shutdown()
-            raise
 
     @property
     def model_runner(self):
@@ -78,15 +71,6 @@ class LLMEngine:
         """Stop the executor's ranks; the engine cannot run steps afterwards."""
         self.structured_output.shutdown()
         self.executor.shutdown()
-
-    def _proposer(self) -> NgramProposer | DraftModelProposer | None:
-        """Draft tokens are proposed on rank 0, between steps."""
-        spec = self.config.speculative_config
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec)
-        return DraftModelProposer(spec, self.config, self.num_blocks, self.model_config)
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
@@ -192,9 +176,8 @@ class LLMEngine:
         outputs = self._advance_beam_searches(beams, output) if beams else []
         updated = [req for req in updated if req.beam_search_id is None]
         self.output_processor.record_logprobs(output)
-        if self.proposer is not None:
-            self.proposer.propose(self.scheduler.spec_policy.plan(self.scheduler.running))
-            self.structured_output.trim_drafts(self.scheduler.running)
+        if self.scheduler.spec_policy is not None:
+            self._propose_drafts()
         # a token reaches its user when the step returns: after the drafts for the next step (the draft model's
         # prefill of a new prompt counts in its time to first token)
         now = time.time()
@@ -206,6 +189,18 @@ class LLMEngine:
             if req.is_finished:  # the scheduler's stop checker decided it, with this step's last token
                 req.metrics.finished_time = now
         return failed + outputs + self.output_processor.make_outputs(updated)
+
+    def _propose_drafts(self) -> None:
+        """The speculation policy picks who speculates in the next step and how much, from this step's outcome; rank
+        0 of the executor proposes the drafts, which the grammars of constrained requests then cut."""
+        planned = self.scheduler.spec_policy.plan(self.scheduler.running)
+        if not planned:
+            return
+        drafts = self.executor.propose_drafts(self.scheduler.worker_view.draft_requests(planned))
+        for req, _ in planned:
+            req.spec_token_ids = drafts.spec_token_ids.get(req.request_id, [])
+            req.draft_probs = drafts.draft_probs.get(req.request_id)
+        self.structured_output.trim_drafts(self.scheduler.running)
 
     def _fail_grammars(self) -> list[RequestOutput]:
         """End the requests whose grammar could not be compiled."""

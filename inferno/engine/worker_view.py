@@ -4,7 +4,7 @@ The worker learns a request whole the first time it is scheduled (`NewRequestDat
 ends; after that a step sends the tokens appended since (sampled ones, a beam's chosen ones) and the block ids
 added — or the whole block table again when it changed otherwise (freed on preemption, a block copied on write).
 """
-from inferno.core.scheduler_output import CachedRequestData, NewRequestData
+from inferno.core.scheduler_output import CachedRequestData, DraftRequest, NewRequestData
 from inferno.request import Request
 
 
@@ -32,6 +32,12 @@ class WorkerView:
         cached.num_computed_tokens.append(req.num_computed_tokens)
         if reset or len(known) != len(req.block_ids):
             self.block_ids[rid] = list(req.block_ids)
+
+    def draft_requests(self, planned: list[tuple[Request, int]]) -> list[DraftRequest]:
+        """The speculation policy's plan as plain data, with the tokens the worker was not sent yet (it gets them
+        only with the request's next step); requests the worker has not seen yet wait for a later plan."""
+        return [DraftRequest(req.request_id, k, req.token_ids[self.num_tokens[req.request_id]:], req.num_preemptions)
+                for req, k in planned if self.knows(req.request_id)]
 
     def knows(self, request_id: str) -> bool:
         return request_id in self.num_tokens

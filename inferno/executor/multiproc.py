@@ -1,7 +1,8 @@
 """The executor of several ranks over torch.distributed.
 
 Rank 0 is the engine's process: it schedules, broadcasts each step (the plain-data `SchedulerOutput`) on the
-control group, runs its own part of the forward pass like every other rank, and samples. The other ranks are started here with
+control group, runs its own part of the forward pass like every other rank, samples, and proposes the next step's
+drafts (speculative decoding) on its own. The other ranks are started here with
 `torch.multiprocessing` (spawn) or, under `torchrun`, are the other launched processes; they only run steps.
 A rank that dies or stops answering ends the executor: the step raises `ExecutorDeadError` and every rank is
 stopped, so nothing hangs.
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 from inferno.config import EngineConfig
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.process_group import init_process_groups, launched_by_torchrun, threads_per_rank
-from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.core.scheduler_output import DraftOutput, DraftRequest, ModelRunnerOutput, SchedulerOutput
 from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
 
@@ -93,6 +94,10 @@ class MultiprocExecutor:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Every rank runs the scheduled step; rank 0's sampled output."""
         return self._on_every_rank(sched, self.model_runner.execute_model)
+
+    def propose_drafts(self, wanted: list[DraftRequest]) -> DraftOutput:
+        """Rank 0 alone proposes (a draft model runs whole there): nothing is sent to the other ranks."""
+        return self.worker.propose_drafts(wanted)
 
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Every rank runs the flat batches of `step` (no request states, no sampling); the logits, on rank 0."""

@@ -2,7 +2,7 @@
 import torch
 
 from inferno.config import EngineConfig
-from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.core.scheduler_output import DraftOutput, DraftRequest, ModelRunnerOutput, SchedulerOutput
 from inferno.worker.calibration import calibrate_activations
 from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
@@ -22,6 +22,9 @@ class UniProcExecutor:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
+
+    def propose_drafts(self, wanted: list[DraftRequest]) -> DraftOutput:
+        return self.worker.propose_drafts(wanted)
 
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         return self.model_runner.run_step(step)

@@ -1,4 +1,5 @@
-"""Speculative decoding: proposers of draft tokens (n-gram prompt lookup, a draft model)."""
+"""Speculative decoding, the engine's side: which requests speculate and how much (policy.py), and the counters
+(metrics.py). The proposers run on rank 0 of the executor (inferno/worker/spec_decode/)."""
 from inferno.request import Request, RequestStatus
 
 

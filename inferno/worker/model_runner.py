@@ -280,7 +280,7 @@ def with_own_code(method: types.MethodType) -> types.MethodType:
 
 
 class SamplingState(Protocol):
-    """What sampling reads of a request: the worker's CachedRequestState, or the engine's Request (draft model)."""
+    """What sampling reads of a request: the worker's CachedRequestState, or a DraftingRequest (draft model)."""
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     eos_token_ids: set[int]

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from inferno.config import EngineConfig, ModelConfig
-from inferno.core.scheduler_output import SchedulerOutput
+from inferno.core.scheduler_output import DraftOutput, DraftRequest, SchedulerOutput
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.core.kv_blocks import cdiv
 from inferno.loader.model_loader import load_model, read_model_config
@@ -14,6 +14,9 @@ from inferno.worker.gpu_memory import GIB, kv_cache_budget, measure_peak_memory,
 from inferno.worker.kv_cache import auto_num_blocks
 from inferno.worker.kv_connector import KVConnector
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
+from inferno.worker.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from inferno.worker.spec_decode.drafting_request import DraftingRequest
+from inferno.worker.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("inferno")
 
@@ -70,6 +73,11 @@ class Worker:
         self.kv_block_bytes = kv_block_bytes(config, loaded.config)
         if self.device.type == "cuda":
             loaded.model.to_device(self.device)
+        spec = config.speculative_config
+        # rank 0 drafts (loaded before a GPU's KV cache is sized from the memory left)
+        draft = (load_draft_model(spec, config, loaded.config, quantization, self.device)
+                 if parallel.rank == 0 and spec is not None and spec.method == "draft_model" else None)
+        if self.device.type == "cuda":
             self.num_blocks = self._gpu_num_blocks(config, loaded.model, parallel)
         else:
             self.num_blocks = num_kv_blocks(config, loaded.config, self.kv_block_bytes)
@@ -81,6 +89,16 @@ class Worker:
         self.kv_connector = None if config.kv_role is None else KVConnector(
             self.model_runner.kv_caches(), config.kv_role, config.kv_host, config.kv_port,
             config.kv_transfer_backend, config.kv_transfer_timeout)
+        self.proposer = None  # rank 0, which samples, proposes the drafts
+        if draft is not None:
+            self.proposer = DraftModelProposer(draft, config, self.num_blocks, self.model_runner.requests, self.device)
+        elif parallel.rank == 0 and spec is not None:
+            self.proposer = NgramProposer(spec)
+
+    def propose_drafts(self, wanted: list[DraftRequest]) -> DraftOutput:
+        """Rank 0: drafts for the requests the speculation policy asked, after their step."""
+        states = self.model_runner.requests
+        return self.proposer.propose([DraftingRequest.of(states[w.req_id], w) for w in wanted])
 
     def _gpu_num_blocks(self, config: EngineConfig, model, parallel: ParallelRank) -> int:
         """`kv_cache_memory` bytes' worth, or what gpu_memory_utilization leaves after a profiling step."""

@@ -3,7 +3,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from inferno.config import SpeculativeConfig
-from inferno.request import Request
+from inferno.core.scheduler_output import DraftOutput
+from inferno.worker.spec_decode.drafting_request import DraftingRequest
 
 
 def ngram_lookup(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -24,7 +25,11 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose(self, wanted: list[tuple[Request, int]]) -> None:
-        """Sets `spec_token_ids` (up to k) of each (request, k) that speculates next step."""
-        for req, k in wanted:
-            req.spec_token_ids = ngram_lookup(np.asarray(req.token_ids), self.min_n, self.max_n, k)
+    def propose(self, requests: list[DraftingRequest]) -> DraftOutput:
+        """Up to num_draft_tokens drafts per request (none where no n-gram matches)."""
+        out = DraftOutput()
+        for req in requests:
+            drafts = ngram_lookup(np.asarray(req.token_ids), self.min_n, self.max_n, req.num_draft_tokens)
+            if drafts:
+                out.spec_token_ids[req.request_id] = drafts
+        return out
