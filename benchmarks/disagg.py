@@ -19,6 +19,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,22 +64,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# what a server logs once its background compile of the decode step is over (either way)
+COMPILE_DONE = ("decode steps run compiled", "decode steps stay eager")
+
+
 def start(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """A server (or proxy) healthy and, for a server, done compiling its decode step in the background: measuring
+    while a compile thread holds a core would measure the compile."""
     port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log")
     process = subprocess.Popen([*CLI, *args, "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=log)
+    process.log = log  # kept open as long as the process
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
+    healthy = False
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{shlex.join(args)} exited with {process.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
+            healthy = healthy or httpx.get(f"{url}/health", timeout=1).status_code == 200
         except httpx.TransportError:
             pass
+        compiled = args[0] != "serve" or any(line in open(log.name).read() for line in COMPILE_DONE)
+        if healthy and compiled:
+            return process, url
         time.sleep(0.5)
-    raise RuntimeError(f"{shlex.join(args)} not healthy after 600 s")
+    raise RuntimeError(f"{shlex.join(args)} not healthy and compiled after 600 s")
 
 
 def serve_args(args: argparse.Namespace, threads: int, *extra: str) -> list[str]:
