@@ -122,6 +122,9 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers = stat_loggers or []
         self.num_waiting_requests = 0  # published by the engine thread after every step
+        # requests handed to the engine thread and not yet in its queue (aborts and other commands are not requests)
+        self._pending_adds = 0
+        self._pending_adds_lock = threading.Lock()
         self._commands: queue.SimpleQueue[_AddRequest | _Abort | _ResetPrefixCache | _Shutdown] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # live requests; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -157,10 +160,10 @@ class AsyncLLM:
 
     @property
     def is_overloaded(self) -> bool:
-        """True when the waiting queue is full; commands not yet applied count as waiting."""
+        """True when the waiting queue is full; requests not yet applied count as waiting."""
         if self.max_waiting_requests is None:
             return False
-        return self.num_waiting_requests + self._commands.qsize() >= self.max_waiting_requests
+        return self.num_waiting_requests + self._pending_adds >= self.max_waiting_requests
 
     # requests (event loop side)
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -171,6 +174,8 @@ class AsyncLLM:
             raise EngineDeadError("the engine loop is not running")
         params = replace(params, output_kind=RequestOutputKind.DELTA)
         stream = RequestStream(request_id)
+        with self._pending_adds_lock:
+            self._pending_adds += 1
         self._commands.put(_AddRequest(request_id, prompt, params, arrival_time or time.time(), stream))
         if self._stopped:  # the engine thread exited after the check above and may not have seen the command
             stream.accept(EngineDeadError("the engine loop is not running"))
@@ -230,6 +235,7 @@ class AsyncLLM:
         callbacks: list[Callable[[], None]] = []
         ended: dict[str, str] = {}
         keep_running = True
+        num_adds = sum(isinstance(command, _AddRequest) for command in commands)
         for command in commands:
             match command:
                 case _AddRequest(request_id, prompt, params, arrival_time, stream):
@@ -252,6 +258,8 @@ class AsyncLLM:
                 case _Shutdown():
                     keep_running = False
         self._record_stats([], ended)
+        with self._pending_adds_lock:  # counted as waiting (or running) from now on
+            self._pending_adds -= num_adds
         self._dispatch(callbacks)
         return keep_running
 
