@@ -44,6 +44,33 @@ def _softcap(s, cap):
 
 
 @triton.jit
+def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr):
+    """q [M, D] . k [N, D] -> scaled (and soft-capped) scores [M, N] in float32."""
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    if SOFTCAP:
+        s = _softcap(s, softcap)
+    return s
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT: tl.constexpr):
+    """FlashAttention's update of (running max, running sum, output) by one tile of masked scores s [M, N] and
+    values v [N, D]; rows that see no key yet keep max -inf and add nothing."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    if F32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slots, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ch, stride_cb, stride_cs, block_size, head_dim, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
@@ -104,22 +131,8 @@ def _decode_partition_kernel(
         km = pm[:, None] & (d < head_dim)[None, :]
         k = tl.load(k_cache + rows[:, None] + d[None, :], mask=km, other=0.0)
         v = tl.load(v_cache + rows[:, None] + d[None, :], mask=km, other=0.0)
-        if F32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        if SOFTCAP:
-            s = _softcap(s, softcap)
-        s = tl.where(pm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        s = tl.where(pm[None, :], _scores(q, k, scale, softcap, SOFTCAP, F32_DOT), float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(part_out + b * stride_pt + heads[:, None] * stride_ph + split * stride_ps + d[None, :], out, mask=qm)
     gm = g < group
@@ -215,26 +228,11 @@ def _prefill_kernel(
             km = pm[:, None] & dm[None, :]
             k = tl.load(k_cache + offsets[:, None] + d[None, :], mask=km, other=0.0)
             v = tl.load(v_cache + offsets[:, None] + d[None, :], mask=km, other=0.0)
-            if F32_DOT:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            if SOFTCAP:
-                s = _softcap(s, softcap)
             visible = (pos[None, :] <= q_pos[:, None]) & pm[None, :]
             if window > 0:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key of this tile yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if F32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            s = tl.where(visible, _scores(q, k, scale, softcap, SOFTCAP, F32_DOT), float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
