@@ -16,6 +16,7 @@ from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, q8_groups
 from inferno.loader.model_loader import load_model
 from tiny_gguf import T, random_blocks, write_tiny_gguf
+from tiny_models import write_gguf, write_hf_model
 
 PROMPT = list(range(40, 60))  # 20 byte tokens: decode-sized row counts run the native kernels
 # The native kernels quantize activations to int8 per block of 32 (as llama.cpp does): about 0.5% relative error per
@@ -100,6 +101,7 @@ def assert_same_model(native: LLM, reference: LLM, prompt: list[int] = PROMPT, r
     assert error < LOGIT_RELATIVE_TOLERANCE
     margins = float_logits.topk(2).values.diff(dim=-1).neg().squeeze(-1)
     clear = margins > MIN_MARGIN
+    assert clear.any(), "no prefill position with a clear margin: the comparison would compare nothing"
     assert torch.equal(native_logits.argmax(-1)[clear], float_logits.argmax(-1)[clear])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = reference.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
@@ -146,6 +148,22 @@ def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
 def test_llama_rotary_row_order_applies_to_native_blocks(tmp_path, qtype):
     native, reference = native_and_float(write_tiny_gguf(tmp_path / "llama.gguf", qtype, arch="llama"))
     assert_same_model(native, reference, rounded_int4=qtype == T.Q4_K)
+
+
+# the tiny MoE's experts: hidden 64, inner 32 (one block of 32 per row of down_proj)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0], ids=lambda t: t.name)
+def test_stacked_experts_run_as_stored(tmp_path, qtype):
+    """llama.cpp's `ffn_*_exps` tensors ([experts, rows, columns] of blocks) are split per expert without
+    dequantizing: every expert's projections run natively, hold the file's weights exactly, and the model computes
+    what the dequantized float model computes."""
+    hf_model = write_hf_model(tmp_path, "qwen2_moe")
+    native, reference = native_and_float(write_gguf(tmp_path / "moe.gguf", hf_model, "qwen2moe", expert_type=qtype))
+    layer_kind = Int4Linear if qtype in INT4_TYPES else Q8Linear
+    experts = [e for layer in models(native).layers for e in layer.mlp.experts]
+    assert len(experts) == 16
+    for expert in experts:
+        assert isinstance(expert.gate_up_proj, layer_kind) and isinstance(expert.down_proj, layer_kind)
+    assert_same_model(native, reference)
 
 
 def test_float_files_stay_float(tmp_path):

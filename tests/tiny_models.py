@@ -130,8 +130,10 @@ def gguf_name(hf_name: str, arch: str) -> str:
             "lm_head.weight": "output.weight"}[hf_name]
 
 
-def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str) -> Path:
-    """The HF model's float32 weights and shape as a GGUF file of `arch`, with the byte-level vocabulary."""
+def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str, expert_type: gguf.GGMLQuantizationType | None = None
+               ) -> Path:
+    """The HF model's float32 weights and shape as a GGUF file of `arch`, with the byte-level vocabulary; the stacked
+    experts quantized to `expert_type` if given (llama.cpp's `ffn_*_exps`, blocks along each expert's rows)."""
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -167,7 +169,10 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str) -> Path:
         if getattr(config, "shared_expert_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     for name, array in gguf_tensors(hf_model, arch):
-        writer.add_tensor(name, array)
+        if expert_type is not None and "_exps." in name:
+            writer.add_tensor(name, gguf.quants.quantize(array, expert_type), raw_dtype=expert_type)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

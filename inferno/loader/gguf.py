@@ -116,8 +116,8 @@ def native_weight(tensor: GGUFTensor, name: str,
     qtype = tensor.tensor_type
     if native == "none" or qtype in FLOAT_TYPES:
         return None
-    projection = name.endswith("proj.weight") and "experts" not in name and not name.endswith(
-        ("qkv_proj.weight", "gate_up_proj.weight"))  # fused or stacked ones are split as float
+    projection = name.endswith("proj.weight") and not name.endswith(
+        ("qkv_proj.weight", "gate_up_proj.weight"))  # Phi-3's fused ones are split as float
     if native == "q4":
         return int4_groups(tensor.data, qtype) if projection and qtype in Q4_LEGACY_TYPES else None
     if projection and qtype in INT4_TYPES:
@@ -143,10 +143,13 @@ def iter_weights(gguf_file: GGUFFile, config: ModelConfig,
     arch = gguf_file.field("general.architecture")
     for tensor in gguf_file.tensors:
         layer_name = tensor.name.split(".", 2)[-1]
-        if layer_name in EXPERT_TENSORS:  # [experts, rows, columns] -> one tensor per expert
+        if layer_name in EXPERT_TENSORS:  # [experts, rows, columns] -> one tensor per expert, blocks kept
             prefix = f"model.layers.{tensor.name.split('.')[1]}.mlp.experts"
-            for e, w in enumerate(float_weight(tensor)):
-                yield f"{prefix}.{e}.{EXPERT_TENSORS[layer_name]}.weight", w
+            for e in range(tensor.shape[0]):
+                expert = GGUFTensor(f"{tensor.name}[{e}]", tensor.tensor_type, tensor.shape[1:], tensor.data[e])
+                name = f"{prefix}.{e}.{EXPERT_TENSORS[layer_name]}.weight"
+                w = native_weight(expert, name, native)
+                yield name, float_weight(expert) if w is None else w
             continue
         name = hf_name(tensor.name, arch)
         if name is None:
