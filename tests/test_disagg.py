@@ -51,7 +51,15 @@ def decode():
 @pytest.fixture(scope="module")
 def proxy(prefill, decode):
     server = RemoteServer("--prefill", prefill.url, "--decode", decode.url, "--health-check-interval", "0.2",
-                          subcommand="proxy")
+                          "--local-prefill-below", "0", subcommand="proxy")  # every prompt through the prefill side
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def conditional_proxy(prefill, decode):
+    server = RemoteServer("--prefill", prefill.url, "--decode", decode.url, "--health-check-interval", "0.2",
+                          "--local-prefill-below", "64", subcommand="proxy")
     yield server
     server.close()
 
@@ -109,6 +117,33 @@ def test_proxied_streams_and_chat_match_a_single_instance(proxy, single, decode)
         max_completion_tokens=8, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.choices[0].message.content
     assert decode.metrics()[COMPUTED] == before[COMPUTED]
+
+
+def test_short_prompts_are_computed_on_the_decode_instance_and_long_ones_transferred(conditional_proxy, single,
+                                                                                     prefill, decode):
+    """After the test comparing chats: this one's chat fills the single instance's prefix cache with the chat
+    template's system prompt, and a prefix hit there moves the default (int4) model's logits by rounding (its int8
+    activation codes amplify last-bit differences of attention over cached context), which flips that test's
+    near-tied first token. Before the test that kills the decode instance."""
+    transfers = "inferno:kv_transfer_seconds_count"
+    before, prefill_before = decode.metrics(), prefill.metrics()
+    got, want = complete(conditional_proxy, PROMPTS[5]), complete(single, PROMPTS[5])
+    assert got.choices[0].text == want.choices[0].text and got.usage == want.usage
+    got, want = chat(conditional_proxy, "Hi!"), chat(single, "Hi!")  # counted with the chat template
+    assert got.choices[0].message.content == want.choices[0].message.content and got.usage == want.usage
+    middle = decode.metrics()
+    assert prefill.metrics()[COMPUTED] == prefill_before[COMPUTED]  # the prefill instance saw neither
+    assert middle[COMPUTED] > before[COMPUTED]  # the decode instance computed them
+    assert middle.get(transfers, 0) == before.get(transfers, 0)
+    # about 100 tokens, sharing no block with LONG_PROMPT (whose transfers a later test counts)
+    long = "Sailors watch the clouds, the tides and the wind before they leave the harbour. " * 6 + "Why? Answer:"
+    got, want = complete(conditional_proxy, long), complete(single, long)
+    assert got.choices[0].text == want.choices[0].text and got.usage == want.usage
+    assert got.usage.prompt_tokens >= 64
+    after = decode.metrics()
+    assert after[COMPUTED] == middle[COMPUTED] and after[transfers] == middle.get(transfers, 0) + 1
+    assert prefill.metrics()[COMPUTED] > prefill_before[COMPUTED]
+    assert_idle(prefill, decode)
 
 
 def test_32_concurrent_proxied_streams_match_a_single_instance(proxy, single, prefill, decode):

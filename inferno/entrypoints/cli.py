@@ -189,7 +189,10 @@ def run_proxy(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if args.health_check_interval <= 0:
         raise ValueError(f"health_check_interval must be positive, got {args.health_check_interval}")
-    run(args.prefill, args.decode, args.host, args.port, args.health_check_interval)
+    local = {} if args.local_prefill_below is None else {"local_prefill_below": args.local_prefill_below}
+    if local.get("local_prefill_below", 0) < 0:
+        raise ValueError(f"local_prefill_below must be at least 0, got {args.local_prefill_below}")
+    run(args.prefill, args.decode, args.host, args.port, args.health_check_interval, **local)
 
 
 def run_calibrate(args: argparse.Namespace) -> None:
@@ -230,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     proxy.add_argument("--port", type=int, default=8000)
     proxy.add_argument("--health-check-interval", type=float, default=2.0,
                        help="seconds between two /health checks of each instance")
+    proxy.add_argument("--local-prefill-below", type=int, default=None, metavar="TOKENS",
+                       help="prompts shorter than this are computed on the decode instance, longer ones on a prefill "
+                            "instance (default 512; 0: every prompt goes through a prefill instance)")
     proxy.set_defaults(func=run_proxy)
     calibrate = commands.add_parser("calibrate", help="calibrate int8 activation thresholds for --quantization w8a8")
     calibrate.add_argument("model", nargs="?", default=None, help="GGUF file or Hugging Face folder (default: "

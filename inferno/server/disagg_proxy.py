@@ -6,6 +6,12 @@ token and answers where the prompt's KV waits. The original request then goes to
 decode`) with those params; it pulls the KV, decodes, and its answer — streamed or not, usage and errors
 included — is relayed to the client as is. Instances are picked round-robin among the healthy ones.
 
+Conditional disaggregation: a prompt shorter than `local_prefill_below` tokens (counted by the decode instance's
+/tokenize) goes straight to a decode instance, which computes it itself: a short prompt costs the decode instance
+less than a KV transfer would, and it does not queue behind long prompts on the prefill instance (NVIDIA Dynamo
+decides the same way, by prefill length). Long prompts, the ones that would stall the running decodes, go through
+a prefill instance. 0 sends every prompt through a prefill instance.
+
 Requests a prefill instance cannot serve alone (several prompts, echo, logprobs, prompt_logprobs, beam search) go
 straight to a decode instance, which computes the prompt itself. So does a request whose prefill instance failed
 or could not be reached; a client error there (a 4xx: bad input) is the client's answer.
@@ -31,6 +37,7 @@ logger = logging.getLogger("inferno")
 
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 HEALTH_TIMEOUT_S = 2.0
+LOCAL_PREFILL_BELOW = 512  # tokens: shorter prompts are computed on the decode instance
 
 
 @dataclass(slots=True)
@@ -88,6 +95,14 @@ def runs_on_a_prefill_instance(path: str, body: dict) -> bool:
     return bool(single) and not body.get("echo")
 
 
+def tokenize_body(path: str, body: dict) -> dict | None:
+    """The /tokenize request counting the prompt's tokens as the engine will see them; None for token ids."""
+    if path.endswith("/chat/completions"):
+        keys = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt")
+        return {k: body[k] for k in keys if body.get(k) is not None}
+    return None if isinstance(body["prompt"], list) else {"prompt": body["prompt"]}
+
+
 def prefill_body(body: dict) -> dict:
     """The request as a prefill instance runs it: the prompt and one token, sampled as the client asked."""
     request = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens", "best_of")}
@@ -97,10 +112,12 @@ def prefill_body(body: dict) -> dict:
 
 
 class DisaggProxy:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], health_check_interval: float):
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], health_check_interval: float,
+                 local_prefill_below: int = LOCAL_PREFILL_BELOW):
         self.prefills = InstancePool("prefill", prefill_urls)
         self.decodes = InstancePool("decode", decode_urls)
         self.health_check_interval = health_check_interval
+        self.local_prefill_below = local_prefill_below
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
 
     async def watch_health(self) -> None:
@@ -119,7 +136,9 @@ class DisaggProxy:
         decode = self.decodes.pick()
         if decode is None:
             raise OpenAIError("no healthy decode instance", status_code=503, type="server_error")
-        prefill = self.prefills.pick() if runs_on_a_prefill_instance(path, body) else None
+        prefill = None
+        if runs_on_a_prefill_instance(path, body) and not await self._is_short(decode, path, body, headers):
+            prefill = self.prefills.pick()
         if prefill is not None:
             answer = await self._prefill(prefill, path, body, headers)
             if isinstance(answer, Response):
@@ -127,6 +146,20 @@ class DisaggProxy:
             if answer is not None:
                 body = {**body, "kv_transfer_params": answer}
         return await self._relay(decode, path, body, headers)
+
+    async def _is_short(self, decode: Instance, path: str, body: dict, headers: dict[str, str]) -> bool:
+        """Whether the prompt has fewer than `local_prefill_below` tokens. A prompt the decode instance cannot
+        tokenize counts as long: the request goes on as it would without the check, errors included."""
+        if self.local_prefill_below <= 0:
+            return False
+        request = tokenize_body(path, body)
+        if request is None:
+            return len(body["prompt"]) < self.local_prefill_below
+        try:
+            response = await self.client.post(f"{decode.url}/tokenize", json=request, headers=headers)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200 and response.json()["count"] < self.local_prefill_below
 
     async def _prefill(self, prefill: Instance, path: str, body: dict,
                        headers: dict[str, str]) -> dict | Response | None:
@@ -226,6 +259,7 @@ def build_proxy_app(proxy: DisaggProxy) -> FastAPI:
 
 
 def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str, port: int,
-              health_check_interval: float, log_level: str = "info") -> None:
-    app = build_proxy_app(DisaggProxy(prefill_urls, decode_urls, health_check_interval))
+              health_check_interval: float, local_prefill_below: int = LOCAL_PREFILL_BELOW,
+              log_level: str = "info") -> None:
+    app = build_proxy_app(DisaggProxy(prefill_urls, decode_urls, health_check_interval, local_prefill_below))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
