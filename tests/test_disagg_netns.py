@@ -57,7 +57,8 @@ def instances(namespaces):
                            host=f"{SUBNET}.1.2", launcher=("ip", "netns", "exec", prefill_ns))
     decode = RemoteServer(*COMMON, "--kv-role", "decode", host=f"{SUBNET}.2.2",
                           launcher=("ip", "netns", "exec", decode_ns))
-    proxy = RemoteServer("--prefill", prefill.url, "--decode", decode.url, subcommand="proxy")
+    proxy = RemoteServer("--prefill", prefill.url, "--decode", decode.url, "--local-prefill-below", "0",
+                        subcommand="proxy")  # every prompt moves over the veth pair
     yield prefill, decode, proxy
     for server in (proxy, decode, prefill):
         server.close()
