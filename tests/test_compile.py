@@ -1,5 +1,7 @@
 """The torch.compile'd decode step computes what the eager one does, at batch 1 and with dynamic batch sizes; it is
-compiled in the background and the engine switches to it between steps without changing a token."""
+compiled in the background and the engine switches to it between steps without changing a token. A tiny random llama
+stands in for the default model: compiling the default model's 30 layers costs minutes, and the graphs are the same
+per layer."""
 import threading
 from dataclasses import replace
 
@@ -11,11 +13,19 @@ from inferno import LLM, SamplingParams
 from inferno.kernels import paged_attention
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker.model_runner import ModelRunner
+from tiny_models import write_hf_model
 
 pytestmark = pytest.mark.skipif(paged_attention() is None, reason="the compiled decode step needs the native kernel")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three facts about the Moon:\n1."]
 PARAMS = SamplingParams(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    write_hf_model(folder, "llama", num_hidden_layers=4)
+    return str(folder)
 
 
 def generate(llm: LLM, prompts: list[str]):
@@ -35,9 +45,9 @@ def assert_same_tokens(ref, out, tol: float) -> None:
 # int4 computes in bfloat16, logits included: one bf16 ulp of a logit near 20 is 0.125
 @pytest.mark.parametrize("engine_args, tol", [({"dtype": "float32", "quantization": None}, 1e-4),
                                               ({"quantization": "int4", "dtype": "bfloat16"}, 0.15)])
-def test_compiled_decode_matches_eager(engine_args, tol):
-    eager = LLM(kv_cache_memory=64 << 20, enable_prefix_caching=False, enforce_eager=True, **engine_args)
-    compiled = LLM(kv_cache_memory=64 << 20, enable_prefix_caching=False, enforce_eager=False, **engine_args)
+def test_compiled_decode_matches_eager(model, engine_args, tol):
+    eager = LLM(model, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=True, **engine_args)
+    compiled = LLM(model, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=False, **engine_args)
     assert eager.llm_engine.model_runner.compile_thread is None
     runner = compiled.llm_engine.model_runner
     assert runner.wait_for_compiled_decode()
@@ -52,7 +62,7 @@ def test_compiled_decode_matches_eager(engine_args, tol):
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for other batch sizes or table widths
 
 
-def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(monkeypatch):
+def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monkeypatch):
     """Requests start while the decode step is still compiling (held back here), run eagerly, and finish on the
     compiled step once it is handed over: the same tokens as all-eager, no block leaked, nothing compiled twice."""
     release = threading.Event()
@@ -60,8 +70,8 @@ def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(monkeypatch)
     monkeypatch.setattr(ModelRunner, "_compile_decode_step", lambda self: (release.wait(), compile_decode_step(self)))
     # float weights: the quantized kernels round their inputs to int8, where a fused op's last-bit difference can
     # move a code
-    eager = LLM(kv_cache_memory=64 << 20, dtype="float32", quantization=None, enforce_eager=True)
-    llm = LLM(kv_cache_memory=64 << 20, dtype="float32", quantization=None, enforce_eager=False)
+    eager = LLM(model, kv_cache_memory=16 << 20, dtype="float32", quantization=None, enforce_eager=True)
+    llm = LLM(model, kv_cache_memory=16 << 20, dtype="float32", quantization=None, enforce_eager=False)
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, replace(PARAMS, output_kind=RequestOutputKind.FINAL_ONLY))
