@@ -165,7 +165,9 @@ class ModelRunner:
         """The compile thread: build the decode graphs, then hand them to the serving thread (`compiled_decode`),
         which picks them up at its next step.
 
-        The layers' elementwise ops fuse and one call replaces some 40 Python-dispatched ops per layer. Shapes are
+        The layers' elementwise ops fuse and one call replaces some 40 Python-dispatched ops per layer; the graph's
+        wrapper is C++ too (`cpp_wrapper`: its ~8 kernel and operator calls per layer cost no Python, about 5-10%
+        of a SmolLM2 decode step on 2 AVX2 cores, benchmarks/RESULTS.md). Shapes are
         dynamic (batch size, block-table width); guards on the modules are skipped because the weights and caches
         stay the same tensors for the runner's lifetime, so each runner compiles its own copy of the function
         (graphs are cached per code object: a draft model's runner must not find the target's). Fused bfloat16 ops
@@ -178,7 +180,8 @@ class ModelRunner:
         runs at a lower OS priority (Linux), as do the compiler processes it starts, so serving keeps its core."""
         lower_thread_priority()
         compiled = torch.compile(with_own_code(self._decode_forward), dynamic=True, options={
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True})
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True,
+            "cpp_wrapper": True})
         start = time.perf_counter()
         try:
             with DYNAMO_STANCE, torch.inference_mode():
