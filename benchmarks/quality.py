@@ -65,13 +65,15 @@ class Configuration:
     native_types: tuple[str, ...] | None = None  # quantization="auto": only these GGUF types run as stored
 
 
-FLOAT32 = {"dtype": "float32", "quantization": None}  # the GGUF file's weights dequantized to float32
-AUTO = {"dtype": "float32", "quantization": "auto"}
+# the GGUF file's weights dequantized to float32, float32 KV cache
+FLOAT32 = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "float32"}
+AUTO = {"dtype": "float32", "quantization": "auto"}  # (float16 KV cache, the default under float32)
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 CONFIGURATIONS = {
     "float32": Configuration("float32", FLOAT32),
+    "default": Configuration("the defaults (no options)", {}),
     "bfloat16": Configuration("bfloat16", {"dtype": "bfloat16", "quantization": None}),
     "auto": Configuration("GGUF blocks as stored (quantization=auto, the default)", AUTO),
     **{f"auto-{t}": Configuration(f"{t} blocks as stored, the rest float32", AUTO, (t,)) for t in GGUF_TYPES},
@@ -85,6 +87,7 @@ CONFIGURATIONS = {
     "int4-g32": Configuration("int4 weights, group 32", {"quantization": "int4", "quantization_group_size": 32}),
     "int4-g64": Configuration("int4 weights, group 64", {"quantization": "int4", "quantization_group_size": 64}),
     "int4-g128": Configuration("int4 weights, group 128", {"quantization": "int4", "quantization_group_size": 128}),
+    "kv-fp16": Configuration("float32, float16 KV cache", {**FLOAT32, "kv_cache_dtype": "float16"}),
     "kv-int8": Configuration("float32, int8 KV cache", {**FLOAT32, "kv_cache_dtype": "int8"}),
     "kv-fp8": Configuration("float32, fp8 (e4m3) KV cache", {**FLOAT32, "kv_cache_dtype": "fp8_e4m3"}),
     "int4-g32-kv-int8": Configuration("int4 weights (group 32) + int8 KV cache",
@@ -145,6 +148,20 @@ def evaluate(engine: LLMEngine, texts: list[list[int]], chunk: int) -> list[torc
     return [teacher_forced_logprobs(engine, ids, chunk) for ids in texts]
 
 
+def llamacpp_logprobs(model_path: str, texts: list[list[int]], chunk: int, num_threads: int) -> list[torch.Tensor]:
+    """llama.cpp (llama-cpp-python) on the same GGUF file and the same token ids, in batches of `chunk` tokens:
+    its next-token log-probabilities per text, as `teacher_forced_logprobs` gives ours."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=model_path, n_ctx=max(map(len, texts)) + 1, n_batch=chunk, n_ubatch=chunk,
+                n_threads=num_threads, n_threads_batch=num_threads, logits_all=True, verbose=False)
+    out = []
+    for ids in texts:
+        llm.reset()
+        llm.eval(ids)
+        out.append(torch.from_numpy(llm.scores[:len(ids) - 1].copy()).log_softmax(dim=-1))
+    return out
+
+
 def compare(name: str, ref: list[torch.Tensor], ours: list[torch.Tensor], texts: list[list[int]]) -> Quality:
     ref_all, ours_all = torch.cat(ref), torch.cat(ours)
     kl = (ref_all.exp() * (ref_all - ours_all)).sum(dim=-1)
@@ -172,6 +189,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk length (tokens)")
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--llamacpp", action="store_true", help="add a row for llama.cpp (llama-cpp-python) on the file")
     p.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")), help="'' to skip")
     return p.parse_args()
 
@@ -195,6 +213,10 @@ def main() -> None:
         print(results[-1], flush=True)
         del llm
         gc.collect()
+    if args.llamacpp:
+        logprobs = llamacpp_logprobs(model_path, texts, args.chunk, args.num_threads)
+        results.append(compare("llama.cpp on the same file (llama-cpp-python)", reference, logprobs, texts))
+        print(results[-1], flush=True)
     body = report(args, model_path, results)
     print("\n" + body)
     if args.output:

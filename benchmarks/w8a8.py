@@ -27,7 +27,7 @@ from inferno.worker.input_batch import MicroBatch, StepInput
 from quality import QUALITY_TEXTS, compare, evaluate  # benchmarks/quality.py (scripts run from this folder)
 from results_md import write_section
 
-FLOAT32 = {"dtype": "float32", "quantization": None}
+FLOAT32 = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "float32"}
 
 
 @torch.inference_mode()
@@ -71,7 +71,7 @@ def main() -> None:
     configurations = {
         "float32": FLOAT32,
         "bfloat16": {"dtype": "bfloat16", "quantization": None},
-        **{f"w8a8, {method} thresholds, smoothing {alpha}": {"dtype": "float32", "quantization": "w8a8",
+        **{f"w8a8, {method} thresholds, smoothing {alpha}": {**FLOAT32, "quantization": "w8a8",
                                                              "calibration": str(path)}
            for (method, alpha), path in files.items()},
     }
@@ -92,7 +92,8 @@ def main() -> None:
     lines = ["## W8A8 with calibrated activation thresholds (`benchmarks/w8a8.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}` (from `benchmarks/`)",
-             f"- Model: `{Path(model_path).name}` dequantized to float32 (the reference), {args.num_threads} threads",
+             f"- Model: `{Path(model_path).name}` dequantized to float32 (the reference), {args.num_threads} threads; "
+             "float32 KV cache in every row but bfloat16's",
              f"- Quality: {rows[0][0].positions} next-token positions of benchmarks/quality.py's texts, chunks of "
              f"{args.chunk}; thresholds calibrated on the built-in sample (`inferno calibrate`)",
              f"- Prefill: one {args.prefill_tokens}-token prompt, the best of {args.repeats} runs",

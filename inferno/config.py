@@ -170,7 +170,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTIZATION_METHODS = ("auto", "int8", "int4", "w8a8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 PER_CHANNEL = -1  # quantization_group_size for int8 with one scale per output channel (GPTQ's "-1")
-KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3")
+KV_CACHE_DTYPE_NAMES = ("auto", "float16", "bfloat16", "float32", "int8", "fp8_e4m3")
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 # "auto": Triton on CUDA; on the CPU the native decode kernel where it can run the model, else PyTorch
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton")
@@ -196,7 +197,10 @@ class EngineConfig:
     # bytes for the KV cache pool; None: half the memory available once the weights are loaded, at most max_num_seqs
     # sequences of max_model_len tokens (inferno/worker/kv_cache.py)
     kv_cache_memory: int | None = None
-    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8" / "fp8_e4m3": codes + per-token-per-head scales
+    # "auto": the model dtype when it is 16-bit; float16 where the model computes in float32 on the CPU (as llama.cpp
+    # stores its cache: half the memory and the bandwidth of a decode step's attention); a float dtype by name; or
+    # "int8" / "fp8_e4m3": codes + per-token-per-head scales
+    kv_cache_dtype: str = "auto"
     # CUDA: the fraction of the GPU's memory the engine may use (weights, activations, KV cache), as in vLLM
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
@@ -252,6 +256,11 @@ class EngineConfig:
                 self.dtype = "bfloat16" if has_native_bfloat16() else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype == "auto":
+            self.kv_cache_dtype = "float16" if self.dtype == "float32" and self.device == "cpu" else self.dtype
+        if self.device == "cuda" and self.kv_cache_dtype in DTYPES and self.kv_cache_dtype != self.dtype:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: on CUDA a float KV cache has the model dtype "
+                             f"({self.dtype}); use 'auto'")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory",
                      "tensor_parallel_size", "pipeline_parallel_size"):
             if name == "kv_cache_memory" and self.kv_cache_memory is None:
@@ -295,6 +304,10 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def quantized_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -23,7 +23,7 @@ from inferno.worker.input_batch import MicroBatch, StepInput
 os.environ["INFERNO_ENFORCE_EAGER"] = "1"
 # The options of the float32 model: the GGUF file's weights dequantized (the default, quantization="auto", runs the
 # file's blocks natively, tests/test_gguf_native.py). Tests comparing with HF or across engines use it.
-FLOAT32 = {"quantization": None, "dtype": "float32"}
+FLOAT32 = {"quantization": None, "dtype": "float32", "kv_cache_dtype": "float32"}  # the float32 model, float32 cache
 
 
 @pytest.fixture(scope="session")

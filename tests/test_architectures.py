@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free, is_near_tie, prefill_logits
+from conftest import FLOAT32, assert_all_blocks_free, is_near_tie, prefill_logits
 from inferno import LLM, SamplingParams
 from inferno.worker.model_runner import kv_bytes_per_block
 from tiny_models import MOE_ARCHITECTURES, write_gguf, write_hf_model
@@ -41,9 +41,9 @@ def assert_matches_hf(hf_model, llm: LLM, long_prompt: list[int], batch: list[li
     refs = [hf_greedy(hf_model, ids) for ids in batch]
     alone = [llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids for ids in batch]
     engine = llm.llm_engine
-    block_bytes = kv_bytes_per_block(engine.model_config, 16, torch.float32)
+    block_bytes = kv_bytes_per_block(engine.model_config, 16, engine.config.kv_cache_dtype)
     longest = max(len(ids) for ids in batch) + MAX_TOKENS
-    cramped = LLM(engine.model_path, dtype="float32", quantization=None, max_num_batched_tokens=32,
+    cramped = LLM(engine.model_path, **FLOAT32, max_num_batched_tokens=32,
                   kv_cache_memory=(longest // 16 + 2) * block_bytes, **options)
     together = [out.outputs[0].token_ids for out in cramped.generate(
         [{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)]
@@ -64,7 +64,7 @@ GGUF_CONVENTIONS = {"gemma2": dict(query_pre_attn_scalar=16),
 
 
 def tiny_llm(path) -> LLM:
-    return LLM(model=str(path), dtype="float32", quantization=None, kv_cache_memory=8 << 20)
+    return LLM(model=str(path), **FLOAT32, kv_cache_memory=8 << 20)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
@@ -107,7 +107,7 @@ def test_sliding_window_frees_blocks_behind_the_window(tmp_path):
     """A 300-token sequence of a window-32 model holds about the window's blocks, whatever its length; the
     prefix cache still serves its blocks."""
     write_hf_model(tmp_path, "mistral")
-    llm = LLM(model=str(tmp_path), dtype="float32", quantization=None, kv_cache_memory=8 << 20,
+    llm = LLM(model=str(tmp_path), **FLOAT32, kv_cache_memory=8 << 20,
               max_num_batched_tokens=32)
     engine = llm.llm_engine
     prompt = prompts([200])[0]

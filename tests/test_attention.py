@@ -53,6 +53,19 @@ def test_decode_attention_matches_dense(path, dtype, tol, lens):
     assert (out.float() - dense_reference(attn, q, tables, seq_lens)).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("path", ["kernel", "gather"])
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 333], [3, 700]])
+def test_float32_queries_over_a_float16_cache(path, lens):
+    """The default cache of a float32 model on the CPU: K/V stored in float16, attention computed in float32 (the
+    kernel converts each row as it loads it, the gather path after gathering); the same as dense float32
+    attention over the float16 values."""
+    attn, _, tables, seq_lens = random_batch(torch.float16, lens)
+    q = torch.randn(len(lens), HEADS, HEAD_DIM)
+    out = decode(path, attn, q, tables, seq_lens)
+    assert out.dtype == torch.float32
+    assert (out - dense_reference(attn, q, tables, seq_lens)).abs().max().item() < 1e-5
+
+
 # tiles of whole register rows (4 x 8 floats with AVX2, 8 x 16 with AVX-512), then single vectors for the rest
 @pytest.mark.parametrize("head_dim", [256, 128, 96, 80, 32, 16])
 def test_decode_kernel_head_dims(head_dim):

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import inferno.layers.quantization as quantization
-from conftest import is_near_tie, prefill_logits
+from conftest import FLOAT32, is_near_tie, prefill_logits
 from inferno import LLM, SamplingParams
 from inferno.layers.quantization import Int4Linear, ZeroPointInt4, unpack_int4
 from inferno.layers.rotary import interleave_rotary_rows
@@ -162,7 +162,7 @@ def test_quantized_checkpoint_loads_its_integers_and_matches_hf(tmp_path, monkey
 
 def test_quantized_checkpoint_without_native_kernels_dequantizes(tmp_path):
     hf_model, _ = write_quantized_llama(tmp_path, "awq", 64)
-    llm = LLM(model=str(tmp_path), dtype="float32", quantization=None, kv_cache_memory=8 << 20)
+    llm = LLM(model=str(tmp_path), **FLOAT32, kv_cache_memory=8 << 20)
     assert not any(isinstance(m, Int4Linear) for m in llm.llm_engine.model_runner.model.modules())
     prompt = prompts([30])[0]
     with torch.inference_mode():

@@ -55,7 +55,7 @@ def test_chunked_prefill_matches_alone(model_path, prompts, alone):
 
 
 def test_preemption_matches_alone(llm, model_path, prompts, alone):
-    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.torch_dtype)
+    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
     tiny_cache = LLM(model_path, kv_cache_memory=40 * block_bytes, **FLOAT32)  # 40 blocks for 16 requests of up to 11 blocks
     assert run_batch(tiny_cache, prompts) == alone
     assert tiny_cache.llm_engine.scheduler.num_preemptions > 0

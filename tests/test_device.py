@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import FLOAT32
 from inferno import LLM
 from inferno.config import EngineConfig
 from inferno.worker.cuda_graphs import padded_size
@@ -38,7 +39,7 @@ def test_the_profiling_step_is_the_largest_step_and_runs(tmp_path):
     (mb,) = step.micro_batches
     assert len(mb.input_ids) == 64 and blocks == 4 and len(mb.logit_rows) == 8 and mb.prefills == [(64, 0, [0, 1, 2, 3])]
     write_hf_model(tmp_path, "qwen3")
-    llm = LLM(model=str(tmp_path), dtype="float32", quantization=None, kv_cache_memory=blocks * 16 * 2 * 2 * 2 * 32 * 4)
+    llm = LLM(model=str(tmp_path), **FLOAT32, kv_cache_memory=blocks * 16 * 2 * 2 * 2 * 32 * 4)
     logits = llm.llm_engine.executor.run_step(step)
     assert logits.shape == (8, llm.llm_engine.model_config.vocab_size) and torch.isfinite(logits).all()
 

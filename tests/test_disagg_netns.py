@@ -66,9 +66,9 @@ def instances(namespaces):
 
 def test_kv_cache_moves_between_namespaces_and_output_matches_local_compute(instances):
     prefill, decode, proxy = instances
-    local = [complete(decode, p).choices[0].text for p in PROMPTS[:4]]  # the decode instance alone, prompt included
+    local = [complete(decode, p).choices[0].text for p in PROMPTS[2:6]]  # the decode instance alone, prompt included
     before = decode.metrics()
-    assert [complete(proxy, p).choices[0].text for p in PROMPTS[:4]] == local
+    assert [complete(proxy, p).choices[0].text for p in PROMPTS[2:6]] == local
     after = decode.metrics()
     assert after[COMPUTED] == before[COMPUTED]
     assert after[BYTES] > before[BYTES]

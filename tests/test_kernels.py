@@ -98,6 +98,8 @@ def int4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("k, group_size", [
     (160, 32),  # 5 blocks: one partial chunk, one partial half
+    (544, 32),  # 17 blocks: a last half chunk of 1
+    (576, 32),  # 18 blocks (SmolLM2's hidden size): a last half chunk of 2
     (608, 32),  # 19 blocks: a chunk of 16 and one of 3
     (864, 32),  # 27 blocks: a chunk of 16 and one of 11 (a whole half and a partial one)
     (704, 64),  # 22 blocks: a last chunk of 6

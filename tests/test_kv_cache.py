@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, num_clear_positions, top2_gap
 from inferno import LLM, SamplingParams
 from inferno.worker import kv_cache
 from inferno.worker.kv_cache import available_memory, lazily_zeroed
@@ -37,7 +37,7 @@ def test_default_pool_takes_a_share_of_the_available_memory(monkeypatch, model_p
     with caplog.at_level(logging.INFO, logger="inferno"):
         llm = LLM(model_path)
     engine = llm.llm_engine
-    block_bytes = kv_bytes_per_block(engine.model_config, 16, engine.config.torch_dtype)
+    block_bytes = kv_bytes_per_block(engine.model_config, 16, engine.config.kv_cache_dtype)
     assert engine.num_blocks == int((64 << 20) * kv_cache.AUTO_KV_CACHE_FRACTION) // block_bytes
     assert engine.max_model_len == engine.num_blocks * 16 < engine.model_config.max_position_embeddings
     assert f"KV cache: {engine.num_blocks} blocks = {engine.num_blocks * 16} tokens" in caplog.text
@@ -71,4 +71,27 @@ def test_max_model_len_leaves_room_for_the_draft_models_lookahead_slots(model_pa
     assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": prompt + [7] * 5})
+    assert_all_blocks_free(engine)
+
+
+def test_float32_model_on_the_cpu_caches_kv_in_float16_by_default(model_path, llm):
+    """kv_cache_dtype "auto" under a float32 model on the CPU is float16 (as llama.cpp stores its cache): half the
+    bytes per block, and greedy decoding that follows the float32 cache (`llm`, FLOAT32) with log-probabilities
+    within a few thousandths, up to its first near-tie."""
+    half = LLM(model_path, quantization=None, dtype="float32", kv_cache_memory=64 << 20)
+    engine = half.llm_engine
+    assert engine.config.kv_cache_dtype == "float16"
+    assert all(a.k_cache.dtype == a.v_cache.dtype == torch.float16 for a in engine.model_runner.model.attention_layers)
+    assert (kv_bytes_per_block(engine.model_config, 16, "float16") * 2
+            == kv_bytes_per_block(engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype))
+    tolerance = 0.01
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        ref = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        out = half.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        clear = num_clear_positions([top2_gap(p) for p in ref.logprobs], tolerance, min_compared=8)
+        assert out.token_ids[:clear] == ref.token_ids[:clear]
+        for i in range(clear):
+            token = ref.token_ids[i]
+            assert abs(out.logprobs[i][token].logprob - ref.logprobs[i][token].logprob) < tolerance
     assert_all_blocks_free(engine)

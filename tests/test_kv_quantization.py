@@ -34,7 +34,7 @@ def test_quantized_kv_round_trip_through_cache_slots(dtype, tol):
 
 @pytest.fixture(scope="module", params=["int8", "fp8_e4m3"])
 def kv_llm(request):
-    return LLM(kv_cache_dtype=request.param, kv_cache_memory=KV_MEMORY, **FLOAT32)
+    return LLM(kv_cache_memory=KV_MEMORY, **{**FLOAT32, "kv_cache_dtype": request.param})
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -59,9 +59,8 @@ def test_quantized_kv_shrinks_bytes_per_token(kv_llm, llm):
     config = kv_llm.llm_engine.model_config
     ratio = resident_bytes_per_block(float_runner) / resident_bytes_per_block(runner)
     assert ratio == pytest.approx(4 / (1 + 4 / config.head_dim))  # fp32 -> 1 byte + a float32 scale per head_dim
-    assert resident_bytes_per_block(runner) == kv_bytes_per_block(config, 16, torch.float32,
-                                                                   kv_llm.llm_engine.config.kv_cache_dtype)
-    float_blocks = KV_MEMORY // kv_bytes_per_block(config, 16, torch.float32)
+    assert resident_bytes_per_block(runner) == kv_bytes_per_block(config, 16, kv_llm.llm_engine.config.kv_cache_dtype)
+    float_blocks = KV_MEMORY // kv_bytes_per_block(config, 16, "float32")
     assert kv_llm.llm_engine.num_blocks >= 3.7 * float_blocks  # more blocks in the same kv_cache_memory
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import num_clear_positions, prefill_logits
+from conftest import FLOAT32, num_clear_positions, prefill_logits
 from inferno import LLM, SamplingParams
 
 PROMPTS = [
@@ -75,7 +75,7 @@ def test_head_size_the_native_kernel_cannot_tile_decodes_on_the_pytorch_path(llm
     decoded token's log-probability is HF's for the same sequence (the random model's near-ties make token
     equality meaningless)."""
     hf_model = write_tiny_hf_model(tmp_path, llm.get_tokenizer(), "qwen2", hidden_size=96)
-    tiny = LLM(model=str(tmp_path), kv_cache_memory=16 << 20)
+    tiny = LLM(model=str(tmp_path), kv_cache_memory=16 << 20, **FLOAT32)
     assert tiny.llm_engine.model_config.head_dim == 24 and tiny.llm_engine.model_runner.attention.name == "torch"
     ids = llm.get_tokenizer().encode(PROMPTS[0])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
@@ -90,7 +90,7 @@ def test_head_size_the_native_kernel_cannot_tile_decodes_on_the_pytorch_path(llm
 @pytest.mark.parametrize("kind", ["qwen2", "llama3_rope_scaling"])
 def test_hf_folder_model_matches_hf(llm, tmp_path, kind):
     hf_model = write_tiny_hf_model(tmp_path, llm.get_tokenizer(), kind)
-    tiny = LLM(model=str(tmp_path), kv_cache_memory=16 << 20)
+    tiny = LLM(model=str(tmp_path), kv_cache_memory=16 << 20, **FLOAT32)
     ids = llm.get_tokenizer().encode(PROMPTS[0] * 8)[:300]  # long enough for llama-3 scaling to matter
     with torch.inference_mode():
         ref = hf_model(torch.tensor([ids])).logits[0]

@@ -5,7 +5,7 @@ import torch
 from inferno import LLM, SamplingParams
 from inferno.layers.moe import SparseMoE, route
 from inferno.layers.quantization import quantize_linears
-from conftest import prefill_logits
+from conftest import FLOAT32, prefill_logits
 from tiny_models import write_hf_model
 from test_architectures import prompts, tiny_llm
 
@@ -69,7 +69,7 @@ def test_tensor_parallelism_splits_each_experts_inner_dimension(tmp_path):
     write_hf_model(tmp_path, "qwen2_moe")
     ids = prompts([60])[0]
     ref = prefill_logits(tiny_llm(tmp_path).llm_engine, ids)
-    llm = LLM(model=str(tmp_path), dtype="float32", quantization=None, kv_cache_memory=8 << 20,
+    llm = LLM(model=str(tmp_path), **FLOAT32, kv_cache_memory=8 << 20,
               tensor_parallel_size=2)
     try:
         expert = llm.llm_engine.model_runner.model.layers[0].mlp.experts[0]

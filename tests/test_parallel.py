@@ -81,8 +81,9 @@ def test_default_model_matches_single_process(layout):
     single = LLM(kv_cache_memory=16 << 20, **FLOAT32)
     # with tensor parallelism the default quantization="auto" falls back to the float model (quantized layers are
     # not split across ranks yet)
+    float32_activations = {"dtype": "float32", "kv_cache_dtype": "float32"}
     check_matches_single_process(single, None, layout, [PROMPTS[0], PROMPTS[2], "Hello, my name is"],
-                                 {} if layout == "tp2" else FLOAT32)
+                                 float32_activations if layout == "tp2" else FLOAT32)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -48,7 +48,7 @@ def test_outputs_equal_with_and_without_prefix_caching(llm, model_path, shared_p
 
 
 def test_eviction_then_recompute_gives_same_outputs(model_path, llm, shared_prefix_prompts, uncached):
-    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, torch.float32)
+    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
     llm = LLM(model_path, kv_cache_memory=12 * block_bytes, **FLOAT32)  # room for one prompt at a time: caches get evicted
     pool = llm.llm_engine.kv_cache_manager.block_pool
     outputs, evicted = [], False

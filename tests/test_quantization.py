@@ -195,7 +195,8 @@ def reference_logits(llm):
 
 @pytest.fixture(scope="module")
 def int8_llm():
-    return LLM(quantization="int8", kv_cache_memory=64 << 20)  # group-wise, groups of 32
+    # group-wise, groups of 32, float32 activations (dtype "auto" would be bfloat16 on CPUs with AVX512-BF16)
+    return LLM(quantization="int8", dtype="float32", kv_cache_memory=64 << 20)
 
 
 @pytest.fixture(scope="module")

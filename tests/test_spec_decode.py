@@ -114,7 +114,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(request, spec_llm, pro
 
 
 def test_preemption_with_draft_model_matches_plain_decoding(llm, model_path, prompts, reference):
-    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.torch_dtype)
+    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
     tiny = LLM(model_path, kv_cache_memory=16 * block_bytes, **FLOAT32,  # 8 blocks: the draft's cache takes half
                speculative_config={"method": "draft_model", "model": model_path, "num_speculative_tokens": 3})
     assert token_ids(tiny, prompts, greedy()) == reference

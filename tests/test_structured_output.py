@@ -139,7 +139,7 @@ def test_chunked_prefill_preemption_prefix_cache_and_speculation_keep_greedy_out
     prompts = [[{"role": "user", "content": f"Repeat this JSON exactly: {example} (copy {i})"}] for i in range(4)]
     params = constrained(json=PERSON, temperature=0, max_tokens=64)
     reference = [o.outputs[0].text for o in llm.chat(prompts, params, use_tqdm=False)]
-    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.torch_dtype)
+    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
     other = LLM(model_path, kv_cache_memory=12 * block_bytes, max_num_batched_tokens=48, **FLOAT32,
                 speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                                     "disable_by_batch_size": None, "draft_acceptance_threshold": 0})

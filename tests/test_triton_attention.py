@@ -107,10 +107,11 @@ def test_model_on_the_triton_backend_matches_hf(tmp_path, arch):
     """The whole model with every attention in the Triton kernels: prefill logits, greedy tokens alone, batched,
     chunked and preempted (prefills over cached context), as HF transformers computes them."""
     from inferno import LLM
+    from conftest import FLOAT32
     from test_architectures import assert_matches_hf, prompts
     from tiny_models import write_hf_model
     hf_model = write_hf_model(tmp_path, arch)
-    llm = LLM(model=str(tmp_path), dtype="float32", quantization=None, kv_cache_memory=8 << 20,
+    llm = LLM(model=str(tmp_path), **FLOAT32, kv_cache_memory=8 << 20,
               attention_backend="triton")
     assert llm.llm_engine.model_runner.attention.name == "triton"
     assert_matches_hf(hf_model, llm, prompts([200])[0], prompts([5, 40, 70, 23]), attention_backend="triton")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import prefill_logits
+from conftest import FLOAT32, prefill_logits
 from inferno import LLM
 from inferno.entrypoints.cli import main
 from inferno.layers.activation_calibration import QUANTIZED_BINS, SMOOTHING, entropy_threshold, smoothing_factors
@@ -94,7 +94,7 @@ def test_w8a8_linear_is_close_to_float():
 
 
 def test_calibrate_cli_writes_the_file_llm_loads(tiny_folder, calibration_file):
-    float_llm = LLM(str(tiny_folder), dtype="float32", quantization=None, kv_cache_memory=8 << 20)
+    float_llm = LLM(str(tiny_folder), **FLOAT32, kv_cache_memory=8 << 20)
     w8a8 = LLM(str(tiny_folder), dtype="float32", quantization="w8a8", calibration=str(calibration_file),
                kv_cache_memory=8 << 20)
     layers = [m for m in w8a8.llm_engine.model_runner.model.modules() if isinstance(m, W8A8Linear)]
@@ -142,4 +142,4 @@ def test_missing_or_mismatched_calibration_is_a_value_error(tmp_path, tiny_folde
     with pytest.raises(ValueError, match="not valid JSON"):
         LLM(str(tiny_folder), calibration=str(tmp_path / "broken.json"), **args)
     with pytest.raises(ValueError, match="calibration is used only with quantization='w8a8'"):
-        LLM(str(tiny_folder), calibration=str(calibration_file), dtype="float32", quantization=None)
+        LLM(str(tiny_folder), calibration=str(calibration_file), **FLOAT32)

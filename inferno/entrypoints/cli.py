@@ -49,7 +49,8 @@ ENGINE_FLAGS: dict[str, dict] = {
     "kv_cache_memory": dict(help="bytes for the KV cache (default: half the memory available after loading the "
                                  "model, at most --max-num-seqs sequences of --max-model-len tokens)"),
     "kv_cache_dtype": dict(choices=KV_CACHE_DTYPE_NAMES,
-                           help="KV cache storage (auto: the model dtype; int8/fp8: per-token-per-head scales)"),
+                           help="KV cache storage (auto: the model dtype if 16-bit, float16 under a float32 model on "
+                                "the CPU; int8/fp8: per-token-per-head scales)"),
     "gpu_memory_utilization": dict(help="CUDA: fraction of the GPU's memory for weights, activations and the KV "
                                         "cache (default 0.9)"),
     "attention_backend": dict(choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA; on the CPU the native "

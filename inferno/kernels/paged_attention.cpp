@@ -250,8 +250,10 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
   weigh_all_values(v_cache, scratch.rows.data(), len, scores, padded, out.acc.data(), group, head_dim);
 }
 
-template <typename T>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+// T: the query's and the output's dtype; C: the caches' (float16 caches under a float32 model, as llama.cpp keeps
+// them, read through F16C)
+template <typename T, typename C>
+void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, T* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                    int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
                    int64_t window) {
@@ -284,7 +286,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       }
       const T* q_row = q + (b * num_heads + h * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) query[i] = static_cast<float>(q_row[i]) * scale;
-      attend_split<T>(query.data(), k_cache, v_cache, block_tables + b * table_width, h, first, last, group, num_blocks,
+      attend_split<C>(query.data(), k_cache, v_cache, block_tables + b * table_width, h, first, last, group, num_blocks,
              block_size, head_dim, scratch, part);
       if (splits == 1)
         for (int64_t g = 0; g < group; ++g) {
@@ -328,22 +330,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong, "seq_lens: int64");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must have one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || (q.scalar_type() == at::kFloat &&
+                                                           k_cache.scalar_type() == at::kHalf),
+              "q and the caches must have one dtype (or a float32 q with float16 caches)");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= kMaxHeadDim,
               "head_dim must be a multiple of 16 up to 256, got ", q.size(2));
   auto out = at::empty_like(q);
-  const auto run = [&](auto* type) {
+  const auto run = [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    decode_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    decode_kernel<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), block_tables.data_ptr<int64_t>(),
                      seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), q.size(1), k_cache.size(0),
                      k_cache.size(1), k_cache.size(2), q.size(2), block_tables.size(1), static_cast<float>(scale),
                      window);
   };
+  if (q.scalar_type() != k_cache.scalar_type()) {
+    run(static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
+    return out;
+  }
   switch (q.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
+    case at::kFloat: run(static_cast<float*>(nullptr), static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: run(static_cast<c10::Half*>(nullptr), static_cast<c10::Half*>(nullptr)); break;
     default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16, got ", q.scalar_type());
   }
   return out;

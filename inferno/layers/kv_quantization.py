@@ -6,15 +6,18 @@ each token's head vector maps to the format's largest value).
 """
 import torch
 
+from inferno.config import DTYPES
+
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
-def kv_element_bytes(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes per cached K or V element, the per-token scale included."""
-    if kv_cache_dtype == "auto":
-        return torch.empty(0, dtype=model_dtype).element_size()
-    return 1 + 4 / head_dim
+def kv_element_bytes(kv_cache_dtype: str, head_dim: int) -> float:
+    """Bytes per cached K or V element (`kv_cache_dtype` a resolved EngineConfig.kv_cache_dtype), the per-token
+    scale included."""
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return 1 + 4 / head_dim
+    return DTYPES[kv_cache_dtype].itemsize
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

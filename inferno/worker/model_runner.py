@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from inferno.config import EngineConfig, ModelConfig
+from inferno.config import DTYPES, EngineConfig, ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.core.kv_blocks import cdiv
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -36,8 +36,9 @@ DYNAMO_STANCE = threading.Lock()
 COMPILE_NICENESS = 10
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    element = kv_element_bytes(kv_cache_dtype, dtype, config.head_dim)
+def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str) -> int:
+    """`kv_cache_dtype`: a resolved EngineConfig.kv_cache_dtype."""
+    element = kv_element_bytes(kv_cache_dtype, config.head_dim)
     return int(2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element)
 
 
@@ -52,7 +53,7 @@ class ModelRunner:
         self.parallel = parallel
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
-        quantized_kv = engine_config.kv_cache_dtype != "auto"
+        quantized_kv = engine_config.quantized_kv_cache
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # every request the scheduler has not finished
@@ -72,7 +73,7 @@ class ModelRunner:
         compile_decode = fast_decode and self.attention.name == "cpu_kernel"
         # zeros, not garbage: masked-out slots are still multiplied by zero weights, and stale NaN/inf would turn
         # that into NaN. On the CPU the OS zero-fills the pages on first touch, so start-up writes nothing.
-        cache_dtype = KV_CACHE_DTYPES[engine_config.kv_cache_dtype] if quantized_kv else self.dtype
+        cache_dtype = (KV_CACHE_DTYPES if quantized_kv else DTYPES)[engine_config.kv_cache_dtype]
         for attn in model.attention_layers:
             shape = (attn.num_kv_heads, self.num_cache_blocks, self.block_size, self.config.head_dim)  # this rank's
             attn.backend = self.attention

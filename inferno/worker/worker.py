@@ -29,7 +29,7 @@ def kv_block_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         models.append(read_model_config(spec.model))
-    return sum(kv_bytes_per_block(m, config.block_size, config.torch_dtype, config.kv_cache_dtype) for m in models)
+    return sum(kv_bytes_per_block(m, config.block_size, config.kv_cache_dtype) for m in models)
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, block_bytes: int) -> int:

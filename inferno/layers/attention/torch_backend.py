@@ -119,9 +119,10 @@ class TorchAttentionBackend:
 
     @staticmethod
     def write(layer: Attention, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if layer.k_scale is None:
-            layer.k_cache.view(layer.num_kv_heads, -1, layer.head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-            layer.v_cache.view(layer.num_kv_heads, -1, layer.head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+        if layer.k_scale is None:  # in the cache's dtype (float16 under a float32 model on the CPU)
+            for cache, x in ((layer.k_cache, k), (layer.v_cache, v)):
+                cache.view(layer.num_kv_heads, -1, layer.head_dim).index_copy_(1, slot_mapping,
+                                                                              x.transpose(0, 1).to(cache.dtype))
         else:
             write_kv(layer.k_cache, layer.k_scale, slot_mapping, k)
             write_kv(layer.v_cache, layer.v_scale, slot_mapping, v)
@@ -144,6 +145,6 @@ class TorchAttentionBackend:
 
 def gather_layer_kv(layer: Attention, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     if layer.k_scale is None:
-        return gather(layer.k_cache, rows), gather(layer.v_cache, rows)
+        return gather(layer.k_cache, rows).to(dtype), gather(layer.v_cache, rows).to(dtype)
     return (gather_kv(layer.k_cache, layer.k_scale, rows, dtype),
             gather_kv(layer.v_cache, layer.v_scale, rows, dtype))
