@@ -187,7 +187,9 @@ def test_default_model_runs_as_stored_and_matches_its_float_model():
 def test_engine_defaults():
     config = EngineConfig()
     assert config.quantization == "auto"
-    assert config.dtype == ("bfloat16" if has_native_bfloat16() else "float32")
+    assert config.dtype == "float32"  # the default model's blocks run in the integer kernels, on every CPU
+    assert config.kv_cache_dtype == "float16"
+    assert EngineConfig(quantization=None).dtype == ("bfloat16" if has_native_bfloat16() else "float32")
     assert EngineConfig(tensor_parallel_size=2).quantization == "auto"  # falls back to float at load time
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(quantization="int4", tensor_parallel_size=2)

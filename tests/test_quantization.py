@@ -321,5 +321,7 @@ def test_bad_quantization_options_are_rejected():
     auto_dtype = "bfloat16" if has_native_bfloat16() else "float32"  # dtype "auto": native bfloat16 GEMMs or not
     assert EngineConfig(quantization="int8").dtype == auto_dtype
     assert EngineConfig(quantization="int8", quantization_group_size=-1).dtype == auto_dtype
-    assert EngineConfig(quantization="int4").dtype == auto_dtype
     assert EngineConfig(quantization=None).dtype == auto_dtype
+    # float32 between the int4 kernels, which quantize their inputs to int8 themselves
+    assert EngineConfig(quantization="int4").dtype == "float32"
+    assert EngineConfig(quantization="int4").kv_cache_dtype == "float16"

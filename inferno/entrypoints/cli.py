@@ -36,8 +36,9 @@ ENGINE_FLAGS: dict[str, dict] = {
     "model": dict(help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
     "device": dict(choices=DEVICES, help="where the model runs (auto: CUDA when torch sees a GPU, else the CPU)"),
     "dtype": dict(choices=["auto", *DTYPES],
-                  help="activation dtype (auto: bfloat16 on GPUs and CPUs with native bfloat16 GEMMs, else "
-                       "float32)"),
+                  help="activation dtype (auto: float32 between the CPU's integer kernels (quantized GGUF, "
+                       "AWQ/GPTQ, int4); bfloat16 on GPUs and, for float weights, on CPUs with native bfloat16 "
+                       "GEMMs; else float32)"),
     "quantization": dict(short="-q", choices=[*QUANTIZATION_METHODS, "none"],
                          help="weights: auto runs a GGUF file's quantized blocks (or an AWQ / GPTQ folder's codes) "
                               "as stored; none dequantizes them to float; int8 / int4 quantize every projection; "
