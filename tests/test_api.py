@@ -61,6 +61,18 @@ def test_chat_uses_the_chat_template(llm):
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
+def test_chat_gives_the_tools_to_the_chat_template(llm):
+    tok = llm.get_tokenizer()
+    template = tok.chat_template
+    tok.chat_template = "{% for t in tools %}tool {{ t.function.name }}; {% endfor %}{{ messages[0].content }}"
+    try:
+        out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                       tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}])[0]
+    finally:
+        tok.chat_template = template
+    assert out.prompt == "tool get_weather; Hi"
+
+
 def test_cli_generate_streams_the_same_text(llm):
     expected = llm.generate("The three primary colors are", SamplingParams(**GREEDY), use_tqdm=False)[0]
     result = subprocess.run(

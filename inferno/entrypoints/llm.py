@@ -62,10 +62,13 @@ class LLM:
 
     def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """`tools`: OpenAI-style tool definitions, for the chat template to list (the reply is text, as in vLLM's
+        `LLM.chat`; the server parses tool calls out of it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         render = self.llm_engine.input_processor.render_chat
-        prompts = [render(c, add_generation_prompt, chat_template_kwargs=chat_template_kwargs) for c in conversations]
+        prompts = [render(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def calibrate(self, output: str | None = None, texts: Sequence[str] | None = None, method: str = "entropy",
