@@ -187,7 +187,7 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=Path(__file__).with_name("RESULTS.md"))
     args = p.parse_args()
     from inferno.loader.model_loader import default_model_path
-    models = args.model or [default_model_path()]
+    models = [str(Path(m).resolve()) for m in args.model or [default_model_path()]]  # the runs start in ROOT
     try:
         import llama_cpp  # noqa: F401
         have_llamacpp = True
