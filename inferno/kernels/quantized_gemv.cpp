@@ -341,10 +341,16 @@ void q8_matmul(const QuantizedRows& q, const int8_t* codes, const float* scales,
   });
 }
 
+// A chunk of nb blocks is loaded `runs_per_vector(nb)` runs at a time: a whole chunk one run per vector (lane l:
+// block l), a last chunk of up to 8 / 4 blocks 2 / 4 runs per vector (lane p * nb + l: run p of the vector's
+// runs, block l), so its blocks fill the lanes and it costs 4 / 2 VNNI instructions per row of x instead of 8
+// (SmolLM2's 576 columns: a chunk of 16 blocks and one of 2).
+inline int64_t runs_per_vector(int64_t nb) { return nb <= 4 ? 4 : nb <= 8 ? 2 : 1; }
+
 struct ChunkedRows {  // the rows of x in the int4 chunk layout, per row and chunk:
-  std::vector<__m512i> codes;   // [M, chunks, 8]: 8 vectors, lane l holding 4 codes of block l (0 past the end)
-  std::vector<__m512i> starts;  // [M, chunks]: the accumulator start, -8 * (sum of block l's codes) in lane l
-  std::vector<__m512> scales;   // [M, chunks]: xs of block l in lane l
+  std::vector<__m512i> codes;   // [M, chunks, 8]: per vector of runs its low-nibble then high-nibble codes, 0 past the end
+  std::vector<__m512i> starts;  // [M, chunks]: the accumulator start, -8 * (sum of the lane's codes)
+  std::vector<__m512> scales;   // [M, chunks]: per lane the xs of its block
   std::vector<float> group_sums;  // [M, groups]: sums of the float values
 };
 
@@ -356,26 +362,57 @@ ChunkedRows chunked_rows(const QuantizedRows& q, int64_t m, int64_t k, int64_t g
                 std::vector<__m512>(m * chunks, _mm512_setzero_ps()), std::vector<float>(m * k / group_size, 0.f)};
   for (int64_t r = 0; r < m; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t c = b / CHUNK_BLOCKS, l = b % CHUNK_BLOCKS, rb = r * blocks + b;
-      auto* lanes = reinterpret_cast<int32_t*>(x.codes.data() + (r * chunks + c) * 8);
-      std::memcpy(&lanes[l], &q.codes[rb * X_BLOCK], 4);  // vector t, lane l: codes 4t..4t+3
-      for (int64_t t = 1; t < 8; ++t) std::memcpy(&lanes[t * LANES + l], &q.codes[rb * X_BLOCK + 4 * t], 4);
-      reinterpret_cast<int32_t*>(&x.starts[r * chunks + c])[l] = -8 * q.code_sums[rb];
-      reinterpret_cast<float*>(&x.scales[r * chunks + c])[l] = q.scales[rb];
+      const int64_t c = b / CHUNK_BLOCKS, l = b % CHUNK_BLOCKS, rb = r * blocks + b, rc = r * chunks + c;
+      const int64_t nb = std::min(CHUNK_BLOCKS, blocks - c * CHUNK_BLOCKS), per_vector = runs_per_vector(nb);
+      auto* lanes = reinterpret_cast<int32_t*>(x.codes.data() + rc * 8);
+      auto* starts = reinterpret_cast<int32_t*>(&x.starts[rc]);
+      auto* scales = reinterpret_cast<float*>(&x.scales[rc]);
+      const int8_t* codes = &q.codes[rb * X_BLOCK];
+      for (int64_t v = 0; v < 4; ++v) {  // run v: codes 4v..4v+3 (low nibbles) and 16+4v.. (high)
+        const int64_t vector = v / per_vector, lane = v % per_vector * nb + l;
+        std::memcpy(&lanes[2 * vector * LANES + lane], codes + 4 * v, 4);
+        std::memcpy(&lanes[(2 * vector + 1) * LANES + lane], codes + 16 + 4 * v, 4);
+        for (int64_t i = 0; i < 4; ++i) starts[lane] -= 8 * (codes[4 * v + i] + codes[16 + 4 * v + i]);
+        scales[lane] = q.scales[rb];
+      }
       x.group_sums[rb / per_group] += q.sums[rb];
     }
   return x;
 }
 
+// One chunk of an output row for R rows of x, VECTORS vectors of runs (`runs_per_vector`) known at compile time.
+template <int64_t R, int64_t VECTORS>
+inline void int4_chunk(const ChunkedRows& x, int64_t r0, int64_t c, int64_t chunks, const uint8_t* chunk,
+                       int64_t vector_bytes, __m512 d_lanes, __m512 zero_point, __mmask16 live, int64_t groups,
+                       int64_t g0, __m512 (&acc)[R]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __mmask64 bytes_mask = vector_bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << vector_bytes) - 1;
+  __m512i w[2 * VECTORS];
+  for (int64_t v = 0; v < VECTORS; ++v) {
+    const __m512i bytes = _mm512_maskz_loadu_epi8(bytes_mask, chunk + v * vector_bytes);
+    w[2 * v] = _mm512_and_si512(bytes, low4);
+    w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t rc = (r0 + r) * chunks + c;
+    const __m512i* xc = x.codes.data() + rc * 8;
+    __m512i dot = x.starts[rc];
+    for (int64_t t = 0; t < 2 * VECTORS; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], xc[t]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d_lanes, x.scales[rc]), acc[r]);
+    acc[r] = _mm512_fmadd_ps(zero_point, _mm512_maskz_loadu_ps(live, x.group_sums.data() + (r0 + r) * groups + g0),
+                             acc[r]);
+  }
+}
+
 // int4: output rows [begin, end) for R rows of x (from row r0 of `x`). Per chunk the row's scales and mins of the
-// chunk's groups are converted at once and spread to the blocks' lanes by a permutation.
+// chunk's groups are converted at once and spread to the blocks' lanes by a permutation (`pick`, or `last_pick`
+// in the last chunk).
 //   sum_k w x = sum_b d_g(b) * xs_b * (sum (c - 8) xq) + sum_g (min_g + 8 d_g) * sum_{k in g} x
 template <int64_t R>
-void int4_rows(const ChunkedRows& x, int64_t r0, __m512i pick, const uint8_t* packed, float* y, int64_t n, int64_t k,
-               int64_t group_size, bool zero_points, int64_t begin, int64_t end) {
+void int4_rows(const ChunkedRows& x, int64_t r0, __m512i pick, __m512i last_pick, const uint8_t* packed, float* y,
+               int64_t n, int64_t k, int64_t group_size, bool zero_points, int64_t begin, int64_t end) {
   const int64_t blocks = k / X_BLOCK, chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS, groups = k / group_size;
   const int64_t per_group = group_size / X_BLOCK, row_bytes = int4_row_bytes(k, group_size);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = packed + j * row_bytes;
     for (int64_t b = 0; b < row_bytes; b += 64)
@@ -391,37 +428,36 @@ void int4_rows(const ChunkedRows& x, int64_t r0, __m512i pick, const uint8_t* pa
       const __m512 second = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g0));  // min or zero point
       const __m512 zero_point = zero_points ? _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(8.f), second), dv)
                                             : _mm512_fmadd_ps(_mm512_set1_ps(8.f), dv, second);
-      const __m512 d_blocks = _mm512_permutexvar_ps(pick, dv);
-      const __mmask64 run_bytes = nb == CHUNK_BLOCKS ? ~__mmask64{0} : (__mmask64{1} << (4 * nb)) - 1;
+      const __m512 d_lanes = _mm512_permutexvar_ps(nb == CHUNK_BLOCKS ? pick : last_pick, dv);
+      const int64_t per_vector = runs_per_vector(nb), vector_bytes = 4 * nb * per_vector;
       const uint8_t* chunk = row + c * CHUNK_BYTES;
-      __m512i w[8];
-      for (int64_t v = 0; v < 4; ++v) {
-        const __m512i bytes = _mm512_maskz_loadu_epi8(run_bytes, chunk + v * 4 * nb);
-        w[v] = _mm512_and_si512(bytes, low4);
-        w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t rc = (r0 + r) * chunks + c;
-        const __m512i* xc = x.codes.data() + rc * 8;
-        __m512i dot = x.starts[rc];
-        for (int64_t t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], xc[t]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d_blocks, x.scales[rc]), acc[r]);
-        acc[r] = _mm512_fmadd_ps(zero_point, _mm512_maskz_loadu_ps(live, x.group_sums.data() + (r0 + r) * groups + g0),
-                                 acc[r]);
-      }
+      if (per_vector == 1)
+        int4_chunk<R, 4>(x, r0, c, chunks, chunk, vector_bytes, d_lanes, zero_point, live, groups, g0, acc);
+      else if (per_vector == 2)
+        int4_chunk<R, 2>(x, r0, c, chunks, chunk, vector_bytes, d_lanes, zero_point, live, groups, g0, acc);
+      else
+        int4_chunk<R, 1>(x, r0, c, chunks, chunk, vector_bytes, d_lanes, zero_point, live, groups, g0, acc);
     }
     for (int64_t r = 0; r < R; ++r) y[r * n + j] = _mm512_reduce_add_ps(acc[r]);
   }
 }
 
+// Lane -> the chunk's group of its block, for a chunk of nb blocks.
+__m512i lane_groups(int64_t nb, int64_t group_size) {
+  alignas(64) int32_t groups[LANES];
+  for (int64_t lane = 0; lane < LANES; ++lane) groups[lane] = lane % nb / (group_size / X_BLOCK);
+  return _mm512_load_si512(groups);
+}
+
 void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
                  int64_t group_size, bool zero_points) {
   const ChunkedRows x = chunked_rows(q, m, k, group_size);
-  const __m512i pick = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         __builtin_ctzll(group_size / X_BLOCK));  // lane l: the group of block l
+  const int64_t last = k / X_BLOCK % CHUNK_BLOCKS;  // blocks of a last, partial chunk (0: none)
+  const __m512i pick = lane_groups(CHUNK_BLOCKS, group_size), last_pick = lane_groups(last ? last : 1, group_size);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<VNNI_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
-      int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, zero_points, begin, end);
+      int4_rows<decltype(rows)::value>(x, r, pick, last_pick, packed, y + r * n, n, k, group_size, zero_points,
+                                       begin, end);
     });
   });
 }
