@@ -49,10 +49,7 @@ def test_q8_kernel_matches_float_sums_of_the_quantized_rows(m, n, k, group_size,
     x[-1, :32] = 3.0  # every activation code 127 against the extreme weight codes
     y = quantized_gemv().int8_q8_matmul(x, weight.codes, weight.scales, weight.mins, group_size)
     w = weight.dequantize().double()
-    ref = quantize_rows_like_q8(x).double() @ w.t()
-    if with_mins:  # the min terms take the float sums of x, not of its int8 rounding
-        mins = weight.mins.double().repeat_interleave(group_size, dim=1)
-        ref += (x.double() - quantize_rows_like_q8(x).double()) @ mins.t()
+    ref = quantize_rows_like_q8(x).double() @ w.t()  # the min terms too take the int8-rounded rows
     assert_close_to(y, ref)
 
 
@@ -85,13 +82,8 @@ def test_q8_dequantizer_computes_codes_times_scales_plus_mins_in_float32(group_s
 
 
 def int4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-    """Per block d * xs * sum (c - 8) xq, plus per group (min + 8 d) times the exact sum of x, in float64."""
-    n, k, group_size = layer.out_features, layer.padded_in_features, layer.group_size
-    w = layer.dequantize().double().view(n, -1, group_size)
-    halves = layer.weight[:, k // 2:].contiguous().view(torch.float16).double()
-    scales, mins = halves[:, :k // group_size, None], halves[:, k // group_size:, None]
-    zero_points = (mins + 8 * scales).expand_as(w).reshape(n, k)
-    return quantize_rows_like_q8(x).double() @ (w.view(n, k) - zero_points).t() + x.double() @ zero_points.t()
+    """The int8-rounded rows times the weights, in float64 (the min terms too take the rounded rows)."""
+    return quantize_rows_like_q8(x).double() @ layer.dequantize().double().t()
 
 
 @needs_kernel

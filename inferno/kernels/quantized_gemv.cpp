@@ -204,7 +204,10 @@ at::Tensor int8_group_dequantize(const at::Tensor& codes, const at::Tensor& scal
 
 // ---- weights times activations quantized to int8 per block of 32 ----
 // The rows of x are quantized like a GGUF Q8_0 / Q8_1 block: x ~ xq * xs per block of 32 (absmax / 127), with the
-// sum of the block's codes (exact, an integer) and of its values (float). With AVX-512 VNNI one instruction
+// sum of the block's codes (exact, an integer) and xs times it. Every term of a product multiplies the same rounded
+// activations, min terms included (as llama.cpp's Q8_1 blocks do): sum w * (xs * xq) differs from the exact sum by
+// sum w * e for rounding errors e, where the float sum of x in the min terms would leave sum (w - min) * e, several
+// times larger for weights whose min sits far below their mean (Q4_1, Q4_K). With AVX-512 VNNI one instruction
 // multiplies 64 unsigned weight codes by 64 signed activation codes and adds them, 4 by 4, into 16 int32 lanes:
 // lanes 0-7 hold one block, 8-15 the next. A weight offset c0 (codes c + c0 stored unsigned) is taken out of the
 // integer sums before any rounding: its -c0 * sum xq is spread over the block's 8 lanes and loaded as the
@@ -215,7 +218,7 @@ struct QuantizedRows {  // the rows of x, quantized per block of 32
   std::vector<int8_t> codes;     // [M, K]
   std::vector<float> scales;     // [M, K / 32]
   std::vector<int32_t> code_sums;  // [M, K / 32]
-  std::vector<float> sums;       // [M, K / 32]: of the float values
+  std::vector<float> sums;       // [M, K / 32]: of the rounded values, xs * code sum (see below)
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
@@ -224,11 +227,8 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
                   std::vector<float>(blocks)};
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * X_BLOCK;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t i = 0; i < X_BLOCK; ++i) {
-      amax = std::max(amax, std::abs(xb[i]));
-      sum += xb[i];
-    }
+    float amax = 0.f;
+    for (int64_t i = 0; i < X_BLOCK; ++i) amax = std::max(amax, std::abs(xb[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t code_sum = 0;
     for (int64_t i = 0; i < X_BLOCK; ++i) {
@@ -238,7 +238,7 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
     }
     q.scales[b] = amax / 127.f;
     q.code_sums[b] = code_sum;
-    q.sums[b] = sum;
+    q.sums[b] = q.scales[b] * static_cast<float>(code_sum);
   }
   return q;
 }
@@ -351,7 +351,7 @@ struct ChunkedRows {  // the rows of x in the int4 chunk layout, per row and chu
   std::vector<__m512i> codes;   // [M, chunks, 8]: per vector of runs its low-nibble then high-nibble codes, 0 past the end
   std::vector<__m512i> starts;  // [M, chunks]: the accumulator start, -8 * (sum of the lane's codes)
   std::vector<__m512> scales;   // [M, chunks]: per lane the xs of its block
-  std::vector<float> group_sums;  // [M, groups]: sums of the float values
+  std::vector<float> group_sums;  // [M, groups]: sums of the rounded values
 };
 
 ChunkedRows chunked_rows(const QuantizedRows& q, int64_t m, int64_t k, int64_t group_size) {
@@ -485,7 +485,7 @@ struct LaneRows {  // the rows of x in the int4 chunk layout, per row and half c
   std::vector<__m256i> codes;   // [M, halves, 8]: 8 vectors, lane l holding 4 codes of block 8h + l (0 past the end)
   std::vector<__m256i> starts;  // [M, halves]: -8 * (sum of the block's codes) in its lane
   std::vector<__m256> scales;   // [M, halves]: xs of the block in its lane
-  std::vector<float> group_sums;  // [M, groups]: sums of the float values
+  std::vector<float> group_sums;  // [M, groups]: sums of the rounded values
 };
 
 LaneRows lane_rows(const QuantizedRows& q, int64_t m, int64_t k, int64_t group_size) {
@@ -627,9 +627,10 @@ struct Q8Weights {
   const float* mins;    // [N, K / G] or nullptr
 };
 
-std::vector<float> x_group_sums(const float* x, int64_t m, int64_t k, int64_t group_size) {
+// Per group of x, the sum of its rounded values (xs * code per column, exact in float32 for groups of 16 and 32).
+std::vector<float> x_group_sums(const QuantizedRows& q, int64_t m, int64_t k, int64_t group_size) {
   std::vector<float> sums(m * k / group_size, 0.f);
-  for (int64_t i = 0; i < m * k; ++i) sums[i / group_size] += x[i];
+  for (int64_t i = 0; i < m * k; ++i) sums[i / group_size] += q.scales[i / X_BLOCK] * static_cast<float>(q.codes[i]);
   return sums;
 }
 
@@ -830,7 +831,7 @@ at::Tensor int8_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at
     return y;
   }
 #endif
-  const std::vector<float> x_sums = mins ? x_group_sums(xp, m, k, group_size) : std::vector<float>();
+  const std::vector<float> x_sums = mins ? x_group_sums(q, m, k, group_size) : std::vector<float>();
   q8_groups_matmul(q, x_sums.data(), wt, y.data_ptr<float>(), m, n, k, group_size);
   return y;
 }
