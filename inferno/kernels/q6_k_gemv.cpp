@@ -57,18 +57,36 @@ LaneRows lane_rows(const QuantizedRows& q, int64_t m, int64_t k) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t ROW_BLOCK = 8;  // rows of x per pass over the weights
 
-// Output rows [begin, end) for R rows of x (xq, starts, x_scales: from the first of them on). A half super-block
-// is two vectors of 64 codes: the low nibbles of ql with qh's bits 0-1 (first 32 bytes) or 2-3 (next 32) moved to
-// bits 4-5, and the high nibbles with bits 4-5 or 6-7. Vector c of a row covers columns 64c .. 64c + 63, groups
-// 4c .. 4c + 3 (4 lanes each) and blocks 2c, 2c + 1 of x (8 lanes each).
+// A half super-block (ql: its 64 bytes of ql; qh: its 32 bytes of qh in both halves of the vector) is two vectors
+// of 64 codes: the low nibbles of ql under qh's bits 0-1 (first 32 bytes) or 2-3 (next 32), and the high nibbles
+// under bits 4-5 or 6-7.
+struct HighBits {  // qh's bits moved to 4-5 by 16-bit shifts, per half of the vector
+  __m512i low_nibbles = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // qh << 4, << 2
+  __m512i high_nibbles = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // qh, qh >> 2
+};
+
+inline __m512i low_codes(__m512i ql, __m512i qh, const HighBits& shift) {
+  return _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi8(0x0F)),
+                         _mm512_and_si512(_mm512_sllv_epi16(qh, shift.low_nibbles), _mm512_set1_epi8(0x30)));
+}
+
+inline __m512i high_codes(__m512i ql, __m512i qh, const HighBits& shift) {
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), _mm512_set1_epi8(0x0F)),
+                         _mm512_and_si512(_mm512_srlv_epi16(qh, shift.high_nibbles), _mm512_set1_epi8(0x30)));
+}
+
+// Output rows [begin, end) for R rows of x (xq, starts, x_scales: from the first of them on). Vector v of a
+// super-block covers its columns 64v .. 64v + 63: groups 4v .. 4v + 3 (4 lanes each) and two blocks of x (8 lanes
+// each).
 template <int64_t R>
 void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, const uint8_t* blocks, float* y,
                int64_t n, int64_t k, int64_t begin, int64_t end) {
   const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES, lanes = k / LANE_CODES;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
-  const __m512i to_low = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // qh << 4, << 2
-  const __m512i to_high = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // qh, qh >> 2
+  const HighBits shift;
   const __m512i lane_group = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  const __m512i groups[4] = {lane_group, _mm512_add_epi32(lane_group, _mm512_set1_epi32(4)),
+                             _mm512_add_epi32(lane_group, _mm512_set1_epi32(8)),
+                             _mm512_add_epi32(lane_group, _mm512_set1_epi32(12))};
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = blocks + j * row_bytes;
     for (int64_t b = 0; b < row_bytes; b += 64)
@@ -79,23 +97,20 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
       const uint8_t* blk = row + s * BLOCK_BYTES;
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
       const __m512 group_scales = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(half_at(blk + 208)));
-      for (int64_t h = 0; h < 2; ++h) {
-        const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
-        const __m512i w[2] = {
-            _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, to_low), bits45)),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                            _mm512_and_si512(_mm512_srlv_epi16(qh, to_high), bits45))};
-        for (int64_t v = 0; v < 2; ++v) {
-          const int64_t c = 4 * s + 2 * h + v;
-          const __m512 w_scale =
-              _mm512_permutexvar_ps(_mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * (2 * h + v))), group_scales);
-          for (int64_t r = 0; r < R; ++r) {
-            const __m512i x = _mm512_loadu_si512(xq + r * k + 64 * c);
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(starts + r * lanes + 16 * c), w[v], x);
-            const __m512 scale = _mm512_mul_ps(w_scale, _mm512_loadu_ps(x_scales + r * lanes + 16 * c));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
-          }
+      const __m512i ql0 = _mm512_loadu_si512(blk), ql1 = _mm512_loadu_si512(blk + 64);
+      const __m512i qh0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128)));
+      const __m512i qh1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 160)));
+      const __m512i w[4] = {low_codes(ql0, qh0, shift), high_codes(ql0, qh0, shift), low_codes(ql1, qh1, shift),
+                            high_codes(ql1, qh1, shift)};
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < 4; ++v) {
+        const __m512 w_scale = _mm512_permutexvar_ps(groups[v], group_scales);
+        const int64_t lane = 16 * (4 * s + v);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512i x = _mm512_loadu_si512(xq + r * k + 4 * lane);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(starts + r * lanes + lane), w[v], x);
+          const __m512 scale = _mm512_mul_ps(w_scale, _mm512_loadu_ps(x_scales + r * lanes + lane));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
         }
       }
     }
@@ -134,6 +149,7 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
       const __m256 group_scales[2] = {  // groups 0-7, 8-15
           _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192)))), d),
           _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 200)))), d)};
+#pragma GCC unroll 2
       for (int64_t h = 0; h < 2; ++h) {
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
         const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
@@ -144,6 +160,7 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, bits45)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45))};
+#pragma GCC unroll 4
         for (int64_t v = 0; v < 4; ++v) {
           const int64_t b = 8 * s + 4 * h + v;
           const __m256 w_scale =
