@@ -13,9 +13,13 @@ from inferno.kernels import q6_k_gemv
 from inferno.layers.quantization import AVX512_KERNELS, COMPUTE_DTYPE, Q8Groups
 
 QK_K, BLOCK_BYTES = 256, 210  # weights and bytes per super-block
-# From this many rows the layer dequantizes its weight and runs the dense GEMM instead of the kernel: Qwen2.5-1.5B's
-# ffn_down (1536 x 8960), one thread, AVX-512 (benchmarks/kernels.py --q6-k-crossover): TODO
-Q6_K_DEQUANTIZE_FROM_ROWS = 160 if AVX512_KERNELS else 512
+# From this many rows the layer dequantizes its weight and runs the dense GEMM instead of the kernel. AVX-512 (bfloat16
+# GEMM), one thread, CPU time: the four projections of Qwen2.5-1.5B's layers as Q6_K (`python kernels.py
+# --projections qwen2.5-1.5b --kinds q6_k_blocks --rows 32 48 64 --cpu-time`) 1404 against 3091 ms per step at 32
+# rows, 1923 against 3252 at 48, 2793 against 3305 at 64; its ffn_down alone (1536 x 8960, the Q6_K projection of
+# Q4_K_M files) crosses earlier: 23.6 against 23.7 ms at 40 rows, 28.8 against 25.0 at 48. AVX2 (float32 GEMM):
+# Q8Linear's crossover, not measured for Q6_K.
+Q6_K_DEQUANTIZE_FROM_ROWS = 64 if AVX512_KERNELS else 512
 
 
 @dataclass(slots=True)
