@@ -83,7 +83,8 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
                int64_t n, int64_t k, int64_t begin, int64_t end) {
   const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES, lanes = k / LANE_CODES;
   const HighBits shift;
-  const __m512i lane_group = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  const __m512i lane_group =  // lane l: group l / 4
+      _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
   const __m512i groups[4] = {lane_group, _mm512_add_epi32(lane_group, _mm512_set1_epi32(4)),
                              _mm512_add_epi32(lane_group, _mm512_set1_epi32(8)),
                              _mm512_add_epi32(lane_group, _mm512_set1_epi32(12))};
@@ -146,9 +147,10 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
     for (int64_t s = 0; s < supers; ++s) {
       const uint8_t* blk = row + s * BLOCK_BYTES;
       const __m256 d = _mm256_set1_ps(half_at(blk + 208));
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
       const __m256 group_scales[2] = {  // groups 0-7, 8-15
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192)))), d),
-          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 200)))), d)};
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d),
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d)};
 #pragma GCC unroll 2
       for (int64_t h = 0; h < 2; ++h) {
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
