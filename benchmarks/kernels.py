@@ -8,6 +8,10 @@
   from memory as in a decode step, not from a hot cache;
 - the LM head (49152 x 576, `Q8Linear`) against per-channel `torch._weight_int8pack_mm`.
 Times are medians of --repeats; the table replaces the `kernels` section of --output.
+
+--q6-k instead: the Q6_K matrices of Qwen2.5-Coder-1.5B Q4_K_M (the LM head, ffn_down) as Q8 groups of 16
+(`int8_q8_matmul`) against the file's super-blocks as stored (`q6_k_matmul`): ms per matrix and the weight bytes
+read per second (printed only).
 """
 import argparse
 import platform
@@ -20,12 +24,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from inferno.kernels import paged_attention, quantized_gemv
+from inferno.kernels import paged_attention, q6_k_gemv, quantized_gemv
 from inferno.layers.attention import Attention
 from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
+from inferno.layers.q6_k import Q6KBlocks, Q6KLinear
 from inferno.layers.quantization import (COMPUTE_DTYPE, GroupQuantized, Int4Linear, Int8GroupLinear, Q8Groups, Q8Linear,
                                          quantize_int4, quantize_int8, quantize_q8_symmetric)
+from inferno.loader.gguf_blocks import T, q8_groups
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -117,8 +123,17 @@ def q8_matmul(x: torch.Tensor, weight: Q8Groups) -> torch.Tensor:
     return op(x, weight.codes, weight.scales, weight.mins, weight.group_size)
 
 
+def random_q6_k(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Random Q6_K rows [n, k / 256 * 210] with a small d (every other byte pattern is data)."""
+    blocks = torch.randint(0, 256, (n, k // 256, 210), dtype=torch.uint8, generator=g)
+    blocks[..., 208:210] = torch.tensor([1e-4], dtype=torch.float16).view(torch.uint8)
+    return blocks.view(n, -1)
+
+
 def random_weights(kind: str, n: int, k: int, g: torch.Generator):
     """Random codes of `kind` (their values do not change the kernels' time)."""
+    if kind == "q6_k_blocks":
+        return Q6KLinear(Q6KBlocks(random_q6_k(n, k, g)))
     if kind == "int4":
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
         return Int4Linear(GroupQuantized(codes, torch.rand(n, k // 32, generator=g) / 50, -torch.rand(n, k // 32) / 5), None)
@@ -132,6 +147,8 @@ def random_weights(kind: str, n: int, k: int, g: torch.Generator):
 
 
 def kernel_call(kind: str, weight, x: torch.Tensor) -> torch.Tensor:
+    if kind == "q6_k_blocks":
+        return torch.ops.inferno.q6_k_matmul(x, weight.weight)
     if kind == "int4":
         return torch.ops.inferno.int4_q8_matmul(x, weight.weight, 32)
     if kind == "int8-group":
@@ -143,7 +160,7 @@ def dense_call(kind: str, weight, x: torch.Tensor) -> torch.Tensor:
     """What a layer runs from its crossover on: dequantize to COMPUTE_DTYPE, then the dense GEMM."""
     if kind == "int8-group":
         return F.linear(x, weight.dequantize())
-    if kind == "int4":
+    if kind in ("int4", "q6_k_blocks"):
         return F.linear(x.to(COMPUTE_DTYPE), weight.dequantize(COMPUTE_DTYPE))
     return F.linear(x.to(COMPUTE_DTYPE), weight.dequantize().to(COMPUTE_DTYPE))
 
@@ -172,6 +189,32 @@ def projections_table(models: list[str], kinds: list[str], rows: list[int], repe
     return "\n".join(lines)
 
 
+# The Q6_K matrices of Qwen2.5-Coder-1.5B Q4_K_M: (name, N, K, copies); ffn_down is Q6_K in 14 of the 28 layers,
+# timed over 14 copies in turn so that its weights come from memory as in a decode step.
+Q6_K_MATRICES = [("LM head", 151936, 1536, 1), ("ffn_down", 1536, 8960, 14)]
+
+
+def q6_k_table(rows: list[int], repeats: int) -> str:
+    """ms per matrix and GB/s of weights read: Q8 groups of 16 (as main loaded Q6_K) against the blocks as stored."""
+    lines = ["| matrix | rows | Q8 groups of 16 ms | GB/s | Q6_K as stored ms | GB/s | speed-up |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    g = torch.Generator().manual_seed(0)
+    for name, n, k, copies in Q6_K_MATRICES:
+        raws = [random_q6_k(n, k, g) for _ in range(copies)]
+        q8 = [q8_groups(raw, T.Q6_K) for raw in raws]
+        q8_bytes = sum(w.codes.numel() + 4 * w.scales.numel() for w in q8) / copies
+        q6_bytes = raws[0].numel()
+        for m in rows:
+            x = torch.randn(m, k)
+            ours = median_time(lambda: [torch.ops.inferno.q6_k_matmul(x, raw) for raw in raws], repeats) / copies
+            theirs = median_time(lambda: [q8_matmul(x, w) for w in q8], repeats) / copies
+            lines.append(f"| {name} {n} × {k} | {m} | {theirs * 1e3:.2f} | {q8_bytes / theirs / 1e9:.1f} | "
+                         f"{ours * 1e3:.2f} | {q6_bytes / ours / 1e9:.1f} | {theirs / ours:.2f}× |")
+            print(lines[-1], flush=True)
+        del raws, q8
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -179,7 +222,8 @@ def main() -> None:
     p.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")), help="'' to skip")
     p.add_argument("--projections", nargs="*", choices=list(MODELS), default=None,
                    help="instead: ms per decode step of these models' projections, kernel against dense")
-    p.add_argument("--kinds", nargs="+", default=["int4", "q8_0", "q5_k", "q6_k", "int8-group"])
+    p.add_argument("--q6-k", action="store_true", help="instead: Q6_K as Q8 groups of 16 against as stored")
+    p.add_argument("--kinds", nargs="+", default=["int4", "q8_0", "q5_k", "q6_k", "q6_k_blocks", "int8-group"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--no-dense", action="store_true", help="skip the dequantize + GEMM column")
     p.add_argument("--cpu-time", action="store_true",
@@ -190,8 +234,13 @@ def main() -> None:
         CLOCK = time.thread_time
         args.threads = [1]
         torch.set_num_threads(1)
-    if paged_attention() is None or quantized_gemv() is None:
+    if paged_attention() is None or quantized_gemv() is None or q6_k_gemv() is None:
         sys.exit("the native kernels could not be built (a C++ compiler is needed)")
+    if args.q6_k:
+        torch.set_num_threads(args.threads[0])
+        print(f"{args.threads[0]} thread(s), medians of {args.repeats}, random data")
+        print(q6_k_table(args.rows, args.repeats))
+        return
     if args.projections is not None:
         print(projections_table(args.projections or list(MODELS), args.kinds, args.rows, args.repeats,
                                 not args.no_dense))

@@ -23,6 +23,7 @@ import torch
 from inferno import LLM
 from inferno.engine.llm_engine import LLMEngine
 from inferno.layers.native_quantization import QuantizedEmbedding
+from inferno.layers.q6_k import Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.loader import gguf as gguf_loader
 from inferno.request import Request
@@ -141,7 +142,8 @@ def native_types_only(types: tuple[str, ...] | None) -> Iterator[None]:
 
 
 def runs_natively(engine: LLMEngine) -> bool:
-    return any(isinstance(m, (Int4Linear, Q8Linear, QuantizedEmbedding)) for m in engine.model_runner.model.modules())
+    native = (Int4Linear, Q6KLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding)
+    return any(isinstance(m, native) for m in engine.model_runner.model.modules())
 
 
 def evaluate(engine: LLMEngine, texts: list[list[int]], chunk: int) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
-"""GGUF files run as stored (quantization="auto", the default): every block type loads through its native form,
-which holds the file's weights bit-exactly (against `gguf.quants.dequantize`) except where stated (Q4_K in the int4
-layout), and the model computes what the dequantized float model (quantization=None) computes."""
+"""GGUF files run as stored (quantization="auto", the default): every block type loads through its native form
+(Q6_K as its super-blocks), which holds the file's weights bit-exactly (against `gguf.quants.dequantize`) except
+where stated (Q4_K in the int4 layout), and the model computes what the dequantized float model (quantization=None)
+computes."""
 import gguf
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from inferno.config import EngineConfig
 from inferno.cpu_features import has_native_bfloat16
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.layers.native_quantization import QuantizedEmbedding
+from inferno.layers.q6_k import Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, q8_groups
 from inferno.loader.model_loader import load_model
@@ -25,6 +27,14 @@ PROMPT = list(range(40, 60))  # 20 byte tokens: decode-sized row counts run the 
 # (Q5_1), 0.0003 (Q4_K, Q5_K: larger logits), 0.056 (Q4_K_M-like); the default model 0.038.
 LOGIT_RELATIVE_TOLERANCE = 0.1
 MIN_MARGIN = 0.3  # the float model's top-2 logit gap from which the native model must pick the same token
+NATIVE_LAYERS = (Int4Linear, Q6KLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding)
+
+
+def native_kinds(qtype: T) -> tuple[type, type, type]:
+    """The projection, token embedding and LM head layers a file of `qtype` loads into."""
+    if qtype == T.Q6_K:
+        return Q6KLinear, Q6KEmbedding, Q6KLinear
+    return Int4Linear if qtype in INT4_TYPES else Q8Linear, QuantizedEmbedding, Q8Linear
 
 
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
@@ -76,10 +86,12 @@ def models(llm: LLM) -> torch.nn.Module:
 
 def weight_of(layer: torch.nn.Module) -> torch.Tensor:
     """The float32 [N, K] weight a layer computes with."""
-    if isinstance(layer, (Int4Linear, Q8Linear)):
+    if isinstance(layer, (Int4Linear, Q6KLinear, Q8Linear)):
         return layer.dequantize()[:, :layer.in_features]
     if isinstance(layer, QuantizedEmbedding):
         return layer.q8_groups.dequantize()
+    if isinstance(layer, Q6KEmbedding):
+        return layer(torch.arange(layer.num_embeddings))
     return layer.weight.float()
 
 
@@ -89,7 +101,7 @@ def assert_same_model(native: LLM, reference: LLM, prompt: list[int] = PROMPT, r
     model's top-2 margin exceeds MIN_MARGIN (prefill positions, then greedy decoding up to the first near-tie)."""
     ours, theirs = models(native), models(reference)
     for name, layer in ours.named_modules():
-        if isinstance(layer, (Int4Linear, Q8Linear, QuantizedEmbedding)):
+        if isinstance(layer, NATIVE_LAYERS):
             expected = weight_of(theirs.get_submodule(name))
             if rounded_int4 and isinstance(layer, Int4Linear):  # float16 scales and mins (exact bound: see above)
                 torch.testing.assert_close(weight_of(layer), expected, rtol=0, atol=2.0 ** -9 * expected.abs().max())
@@ -121,16 +133,18 @@ def assert_same_model(native: LLM, reference: LLM, prompt: list[int] = PROMPT, r
 def test_every_type_runs_natively_and_matches_the_float_model(tmp_path, qtype):
     native, reference = native_and_float(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
     model = models(native)
-    layer_kind = Int4Linear if qtype in INT4_TYPES else Q8Linear
+    layer_kind, embedding_kind, head_kind = native_kinds(qtype)
     for layer in (model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.gate_up_proj, model.layers[1].mlp.down_proj):
         assert isinstance(layer, layer_kind)
-    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, Q8Linear)
-    assert model.lm_head.weight.data_ptr() == model.embed_tokens.codes.data_ptr()  # the tied head shares codes
+    assert isinstance(model.embed_tokens, embedding_kind) and isinstance(model.lm_head, head_kind)
+    codes = model.embed_tokens.blocks if qtype == T.Q6_K else model.embed_tokens.codes
+    assert model.lm_head.weight.data_ptr() == codes.data_ptr()  # the tied head shares codes
     assert_same_model(native, reference, rounded_int4=qtype == T.Q4_K)
 
 
 def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
-    """Q/K as Q4_K and V as Q6_K: the fused qkv_proj becomes Q8 groups of 16 that hold all three exactly."""
+    """Q/K as Q4_K and V as Q6_K: the fused qkv_proj becomes Q8 groups of 16 that hold all three exactly; the Q6_K
+    down_proj and LM head run as stored."""
     types = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
              "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "token_embd": T.Q4_K, "output": T.Q6_K}
     native, reference = native_and_float(write_tiny_gguf(tmp_path / "mixed.gguf", types, tied=False))
@@ -139,8 +153,8 @@ def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
     assert isinstance(qkv, Q8Linear) and qkv.group_size == 16
     assert torch.equal(weight_of(qkv), weight_of(models(reference).layers[0].self_attn.qkv_proj))
     assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)
-    assert isinstance(model.layers[0].mlp.down_proj, Q8Linear)
-    assert isinstance(model.lm_head, Q8Linear) and model.lm_head.group_size == 16
+    assert isinstance(model.layers[0].mlp.down_proj, Q6KLinear)
+    assert isinstance(model.lm_head, Q6KLinear)
     assert_same_model(native, reference, rounded_int4=True)
 
 
@@ -201,7 +215,7 @@ def test_tensor_parallel_falls_back_to_float_with_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         loaded = load_model(str(path), torch.float32, ParallelRank(0, tp_size=2), quantization="auto")
     assert "dequantized to float" in caplog.text
-    assert not any(isinstance(m, (Int4Linear, Q8Linear, QuantizedEmbedding)) for m in loaded.model.modules())
+    assert not any(isinstance(m, NATIVE_LAYERS) for m in loaded.model.modules())
 
 
 def test_each_pipeline_stage_keeps_its_own_layers_quantized(tmp_path):
@@ -209,8 +223,8 @@ def test_each_pipeline_stage_keeps_its_own_layers_quantized(tmp_path):
     first = load_model(path, torch.float32, ParallelRank(0, pp_size=2), quantization="auto").model
     last = load_model(path, torch.float32, ParallelRank(1, pp_size=2), quantization="auto").model
     assert list(first.stage_layers) == [0] and list(last.stage_layers) == [1]
-    assert isinstance(first.layers[0].mlp.down_proj, Q8Linear) and isinstance(first.embed_tokens, QuantizedEmbedding)
-    assert isinstance(last.layers[1].mlp.down_proj, Q8Linear) and last.embed_tokens is None
+    assert isinstance(first.layers[0].mlp.down_proj, Q6KLinear) and isinstance(first.embed_tokens, Q6KEmbedding)
+    assert isinstance(last.layers[1].mlp.down_proj, Q6KLinear) and last.embed_tokens is None
 
 
 def test_draft_model_speculation_runs_as_stored_and_accepts_itself(tmp_path):

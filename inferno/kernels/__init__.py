@@ -87,6 +87,24 @@ def quantized_gemv():
 
 
 @functools.cache
+def q6_k_gemv():
+    """The `torch.ops.inferno` namespace holding `q6_k_matmul` (rows quantized to int8 times GGUF Q6_K super-blocks
+    as stored) and `q6_k_dequantize` (to float32 / bfloat16, see q6_k_gemv.cpp), or None when they cannot be built."""
+    if not _build("inferno_q6_k_gemv", "q6_k_gemv.cpp", "using dequantize + F.linear"):
+        return None
+
+    @torch.library.register_fake("inferno::q6_k_matmul")
+    def _(x, blocks):  # shapes for torch.compile's tracing
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("inferno::q6_k_dequantize")
+    def _(blocks, dtype):
+        return blocks.new_empty(blocks.shape[0], blocks.shape[1] // 210 * 256, dtype=dtype)
+
+    return torch.ops.inferno
+
+
+@functools.cache
 def gguf_repack():
     """The `torch.ops.inferno` namespace holding `gguf_to_int4` and `gguf_to_q8` (raw GGUF blocks -> the int4
     kernel's rows / Q8Groups' codes, scales and mins, see gguf_repack.cpp), or None when they cannot be built."""

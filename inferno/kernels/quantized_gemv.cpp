@@ -16,13 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
+#include "quantized_rows.h"
 
 namespace {
 
@@ -58,36 +52,6 @@ inline float sum_lanes(floatv v) {
   float s = 0.f;
   for (int64_t i = 0; i < LANES; ++i) s += v[i];
   return s;
-}
-
-#if defined(__AVX2__)
-inline float sum_lanes256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
-// Weights are read once per step, so they come from memory: the kernels prefetch about 2 KB ahead of the row they
-// work on (cold int4 weights stream about twice as fast with it).
-constexpr int64_t PREFETCH_BYTES = 2048;
-constexpr int64_t AVX2_ROW_BLOCK = 4;  // rows of x per pass over the weights in 256-bit kernels (16 registers)
-
-// Calls run(std::integral_constant<int64_t, R>{}, r) for row blocks [r, r + R) of x covering [0, m): R = MAX_R,
-// then one smaller block for the rest (each row block is one pass over the weights).
-template <int64_t R, typename Run>
-void run_rows(int64_t count, int64_t r, Run& run) {
-  if constexpr (R > 0) {
-    if (count == R) run(std::integral_constant<int64_t, R>{}, r);
-    else run_rows<R - 1>(count, r, run);
-  }
-}
-
-template <int64_t MAX_R, typename Run>
-void for_row_blocks(int64_t m, Run&& run) {
-  int64_t r = 0;
-  for (; r + MAX_R <= m; r += MAX_R) run(std::integral_constant<int64_t, MAX_R>{}, r);
-  run_rows<MAX_R - 1>(m - r, r, run);
 }
 
 // sum_i q_i x[r, i] over one group [begin, end) of one output row, for R rows of x; GROUP > 0: a whole group of
@@ -202,46 +166,11 @@ at::Tensor int8_group_dequantize(const at::Tensor& codes, const at::Tensor& scal
   return w;
 }
 
-// ---- weights times activations quantized to int8 per block of 32 ----
-// The rows of x are quantized like a GGUF Q8_0 / Q8_1 block: x ~ xq * xs per block of 32 (absmax / 127), with the
-// sum of the block's codes (exact, an integer) and xs times it. Every term of a product multiplies the same rounded
-// activations, min terms included (as llama.cpp's Q8_1 blocks do): sum w * (xs * xq) differs from the exact sum by
-// sum w * e for rounding errors e, where the float sum of x in the min terms would leave sum (w - min) * e, several
-// times larger for weights whose min sits far below their mean (Q4_1, Q4_K). With AVX-512 VNNI one instruction
-// multiplies 64 unsigned weight codes by 64 signed activation codes and adds them, 4 by 4, into 16 int32 lanes:
-// lanes 0-7 hold one block, 8-15 the next. A weight offset c0 (codes c + c0 stored unsigned) is taken out of the
-// integer sums before any rounding: its -c0 * sum xq is spread over the block's 8 lanes and loaded as the
-// accumulator's start, so no large terms cancel in floating point.
-constexpr int64_t X_BLOCK = 32;
-
-struct QuantizedRows {  // the rows of x, quantized per block of 32
-  std::vector<int8_t> codes;     // [M, K]
-  std::vector<float> scales;     // [M, K / 32]
-  std::vector<int32_t> code_sums;  // [M, K / 32]
-  std::vector<float> sums;       // [M, K / 32]: of the rounded values, xs * code sum (see below)
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
-  const int64_t blocks = m * k / X_BLOCK;
-  QuantizedRows q{std::vector<int8_t>(m * k), std::vector<float>(blocks), std::vector<int32_t>(blocks),
-                  std::vector<float>(blocks)};
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * X_BLOCK;
-    float amax = 0.f;
-    for (int64_t i = 0; i < X_BLOCK; ++i) amax = std::max(amax, std::abs(xb[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t code_sum = 0;
-    for (int64_t i = 0; i < X_BLOCK; ++i) {
-      const int8_t c = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-      q.codes[b * X_BLOCK + i] = c;
-      code_sum += c;
-    }
-    q.scales[b] = amax / 127.f;
-    q.code_sums[b] = code_sum;
-    q.sums[b] = q.scales[b] * static_cast<float>(code_sum);
-  }
-  return q;
-}
+// ---- weights times activations quantized to int8 per block of 32 (QuantizedRows) ----
+// With AVX-512 VNNI one instruction multiplies 64 unsigned weight codes by 64 signed activation codes and adds
+// them, 4 by 4, into 16 int32 lanes: lanes 0-7 hold one block, 8-15 the next. A weight offset c0 (codes c + c0
+// stored unsigned) is taken out of the integer sums before any rounding: its -c0 * sum xq is spread over the
+// block's 8 lanes and loaded as the accumulator's start, so no large terms cancel in floating point.
 
 // The int4 layout: per output row, the codes in chunks of 16 blocks of 32 columns (the last chunk may hold fewer,
 // nb blocks), then one float16 scale d per group, then one float16 min per group (w = code * d + min, the GGUF
@@ -264,12 +193,6 @@ inline void int4_block_codes(const uint8_t* row, int64_t blocks, int64_t b, uint
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(runs)), low4 = _mm_set1_epi8(0x0F);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_and_si128(bytes, low4));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
 // The kernels' per-group constant min + 8 d (they sum (code - 8) * xq): (8 - z) * d with zero points, exact.
@@ -724,25 +647,6 @@ void q8_groups_matmul(const QuantizedRows& q, const float* x_sums, Q8Weights wt,
 // In float32 as written, product then sum, never fused (as PyTorch and gguf's numpy compute them).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-inline uint16_t to_bfloat16(float x) {  // round to nearest even (weights are finite)
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
-inline void store(float* out, float w) { *out = w; }
-inline void store(uint16_t* out, float w) { *out = to_bfloat16(w); }
-
-// Runs fill(Out* w) with the data of a new [n, k] tensor of `dtype` (float32 or bfloat16).
-template <typename Fill>
-at::Tensor dequantized(int64_t n, int64_t k, at::ScalarType dtype, const at::TensorOptions& options, Fill&& fill) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
-  auto w = at::empty({n, k}, options.dtype(dtype));
-  if (dtype == at::kFloat) fill(w.data_ptr<float>());
-  else fill(reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()));
-  return w;
-}
-
 // packed [N, int4_row_bytes] uint8 -> W [N, K], w = code * d + min computed in float32 (min = -z * d with zero
 // points: exact, and so is the sum)
 at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size, at::ScalarType dtype,

@@ -1,11 +1,14 @@
 """quantization="auto": a GGUF model computes with its own blocks, an AWQ / GPTQ model with its own 4-bit codes.
-Each projection whose blocks the loader repacked runs them (4-bit groups through `Int4Linear`, Q8 groups through
-`Q8Linear`), the token embedding stays
-quantized (`QuantizedEmbedding`) and a tied LM head reads the same codes; everything else stays float."""
+Each projection whose blocks the loader repacked runs them (4-bit groups through `Int4Linear`, Q6_K super-blocks as
+stored through `Q6KLinear`, Q8 groups through `Q8Linear`), the token embedding stays quantized
+(`QuantizedEmbedding`, `Q6KEmbedding`) and a tied LM head reads the same codes; everything else stays float."""
 import torch
 from torch import nn
 
+from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import GroupQuantized, Int4Linear, PackedInt4, Q8Groups, Q8Linear, ZeroPointInt4
+
+NativeWeight = GroupQuantized | PackedInt4 | Q6KBlocks | Q8Groups | ZeroPointInt4
 
 
 class QuantizedEmbedding(nn.Module):
@@ -24,24 +27,30 @@ class QuantizedEmbedding(nn.Module):
     def q8_groups(self) -> Q8Groups:
         return Q8Groups(self.codes, self.scales, self.mins)
 
+    def as_lm_head(self) -> Q8Linear:
+        """A tied LM head reading the same codes."""
+        return Q8Linear(self.q8_groups, self.embedding_dim)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = Q8Groups(self.codes[input_ids], self.scales[input_ids],
                         None if self.mins is None else self.mins[input_ids])
         return rows.dequantize().to(self.dtype)
 
 
-def load_native_layers(model: nn.Module,
-                       prequantized: dict[str, GroupQuantized | PackedInt4 | Q8Groups | ZeroPointInt4]) -> None:
+def load_native_layers(model: nn.Module, prequantized: dict[str, NativeWeight]) -> None:
     """Swap each layer named in `prequantized` (the loader's repacked checkpoint blocks) for its native form."""
     for name, weight in prequantized.items():
         module = model.get_submodule(name)
+        q6_k = isinstance(weight, Q6KBlocks)
         if name == "embed_tokens":
-            embedding = QuantizedEmbedding(weight, module.weight.dtype)
+            embedding = (Q6KEmbedding if q6_k else QuantizedEmbedding)(weight, module.weight.dtype)
             set_submodule(model, name, embedding)
             if model.config.tie_word_embeddings and model.lm_head is not None:
-                model.lm_head = Q8Linear(embedding.q8_groups, embedding.embedding_dim)
+                model.lm_head = embedding.as_lm_head()
         elif name == "lm_head":
-            set_submodule(model, name, Q8Linear(weight, module.weight.shape[1]))
+            set_submodule(model, name, Q6KLinear(weight) if q6_k else Q8Linear(weight, module.weight.shape[1]))
+        elif q6_k:
+            set_submodule(model, name, Q6KLinear(weight, module.bias))
         elif isinstance(weight, (GroupQuantized, PackedInt4, ZeroPointInt4)):
             set_submodule(model, name, Int4Linear(weight, module.bias, module.in_features))
         else:

@@ -8,14 +8,15 @@ import numpy as np
 import torch
 
 from inferno.config import ModelConfig
+from inferno.layers.q6_k import Q6KBlocks
 from inferno.layers.quantization import GroupQuantized, Q8Groups
 from inferno.loader.gguf_architectures import (EXPERT_TENSORS, architecture_options, layer_tensor_overrides,
                                                to_hf_layout)
-from inferno.loader.gguf_blocks import INT4_TYPES, Int4Blocks, int4_groups, int4_rows, q8_groups
+from inferno.loader.gguf_blocks import INT4_TYPES, Int4Blocks, int4_groups, int4_rows, q6_k_blocks, q8_groups
 from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 
 T = gguf.GGMLQuantizationType
-Blocks = GroupQuantized | Int4Blocks | Q8Groups  # quantized blocks in a kernel's form
+Blocks = GroupQuantized | Int4Blocks | Q6KBlocks | Q8Groups  # quantized blocks in a kernel's form
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "olmoe")
 
@@ -107,12 +108,11 @@ def has_quantized_tensors(gguf_file: GGUFFile) -> bool:
     return any(t.tensor_type not in FLOAT_TYPES for t in gguf_file.tensors)
 
 
-def native_weight(tensor: GGUFTensor, name: str,
-                  native: str) -> GroupQuantized | Int4Blocks | Q8Groups | None:
+def native_weight(tensor: GGUFTensor, name: str, native: str) -> Blocks | None:
     """The tensor's blocks in a form a kernel runs, or None where it is to become float. `native` "auto": every
-    quantized projection (4-bit types in the int4 layout, the others as Q8 groups), the token embedding and the LM head
-    (Q8 groups, which hold every type exactly); "q4": only Q4_0 / Q4_1 projections (explicit int4 / int8 with
-    groups of 32); "none": nothing."""
+    quantized projection (4-bit types in the int4 layout, Q6_K as stored, the others as Q8 groups), the token
+    embedding and the LM head (Q6_K as stored, the others as Q8 groups, which hold every type exactly); "q4": only
+    Q4_0 / Q4_1 projections (explicit int4 / int8 with groups of 32); "none": nothing."""
     qtype = tensor.tensor_type
     if native == "none" or qtype in FLOAT_TYPES:
         return None
@@ -123,7 +123,7 @@ def native_weight(tensor: GGUFTensor, name: str,
     if projection and qtype in INT4_TYPES:
         return int4_rows(tensor.data, qtype)
     if projection or name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return q8_groups(tensor.data, qtype)
+        return q6_k_blocks(tensor.data) if qtype == T.Q6_K else q8_groups(tensor.data, qtype)
     return None
 
 

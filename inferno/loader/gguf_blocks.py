@@ -8,6 +8,8 @@ vectorised over a whole tensor (raw bytes [rows, bytes per row], a view of the m
   layer's shards into one tensor), the same bytes as `pack_int4(int4_groups(...))`.
 - `q8_groups`: every supported type as signed 8-bit codes with a float32 scale (and min) per group of 32, or 16 for
   Q6_K (`Q8Groups`, the `Q8Linear` input): exact, `codes * scales + mins` is what `gguf.quants.dequantize` computes.
+- `q6_k_blocks`: Q6_K rows as stored (`Q6KBlocks`, the `Q6KLinear` input), 6.5625 bits per weight where Q8 groups
+  of 16 take 10.
 
 `pack_int4_shards` and `q8_groups` run the native operators of kernels/gguf_repack.cpp (row-parallel, no intermediate
 tensors) when they build; the PyTorch paths (`int4_groups`, `decode`) are the fallback and the tests' reference.
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from inferno.kernels import gguf_repack
+from inferno.layers.q6_k import Q6KBlocks
 from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, pack_int4
 
 T = gguf.GGMLQuantizationType
@@ -92,12 +95,8 @@ def decode(raw: Raw, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
             q |= high_bits(b[..., 16:48], 256).view(rows, n, 32, 8).transpose(-1, -2).reshape(rows, n, 4, 64) << 4
         return q.view(rows, -1), (d * sc).view(rows, -1), (-(dmin * mn)).view(rows, -1), 32
     if qtype == T.Q6_K:
-        ql, qh = b[..., 0:128].reshape(rows, n, 2, 64), b[..., 128:192].reshape(rows, n, 2, 1, 32)
-        low = torch.cat([ql & 0x0F, ql >> 4], dim=-1).view(rows, n, 2, 4, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-        q = (low | (((qh >> shifts) & 3) << 4)).to(torch.int8) - 32
-        sc = b[..., 192:208].contiguous().view(torch.int8).float()
-        return q.view(rows, -1), (half(b[..., 208:210]).unsqueeze(-1) * sc).view(rows, -1), None, 16
+        groups = Q6KBlocks(rows_of(raw)).q8_groups()
+        return groups.codes, groups.scales, None, 16
     raise ValueError(f"GGUF tensor type {qtype.name} has no native form (supported: "
                      f"{', '.join(t.name for t in Q8_TYPES)})")
 
@@ -167,6 +166,11 @@ def pack_int4_shards(shards: list[Int4Blocks]) -> PackedInt4:
     return PackedInt4(packed, k, 32)
 
 
+def q6_k_blocks(raw: Raw) -> Q6KBlocks:
+    """Q6_K rows as stored, copied out of the memory map."""
+    return Q6KBlocks(rows_of(raw).clone())
+
+
 def q8_groups(raw: Raw, qtype: T) -> Q8Groups:
     """Any supported type -> Q8Groups: the native repack when it is built, else `q8_groups_reference`."""
     ops = gguf_repack()
@@ -182,11 +186,13 @@ def q8_groups_reference(raw: Raw, qtype: T) -> Q8Groups:
     return Q8Groups(codes.view(torch.int8) if codes.dtype == torch.uint8 else codes, scales, mins)
 
 
-def as_q8_groups(weight: GroupQuantized | Int4Blocks | Q8Groups, group_size: int) -> Q8Groups:
+def as_q8_groups(weight: GroupQuantized | Int4Blocks | Q6KBlocks | Q8Groups, group_size: int) -> Q8Groups:
     """A layer's weight in the common form of a fused layer whose shards differ: Q8Groups with groups of
     `group_size` (16 or 32; a group of 32 becomes two of 16 with the same scale and min). Exact."""
     if isinstance(weight, Int4Blocks):
         weight = weight.q8_groups()
+    if isinstance(weight, Q6KBlocks):
+        weight = q8_groups(weight.raw, T.Q6_K)
     if isinstance(weight, GroupQuantized):  # 4-bit codes fit int8 as they are
         weight = Q8Groups(weight.codes.view(torch.int8), weight.scales, weight.mins)
     repeat = weight.group_size // group_size

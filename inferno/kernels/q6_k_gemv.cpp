@@ -1,0 +1,278 @@
+// GGUF Q6_K weights run as stored (6.5625 bits per weight), registered in the `inferno` namespace like
+// quantized_gemv.cpp's operators:
+// 1. `q6_k_matmul`: the few rows of a decode step, quantized to int8 per block of 32 (QuantizedRows), times the
+//    weights' super-blocks, integer dot products as llama.cpp computes Q6_K x Q8;
+// 2. `q6_k_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill and large batches.
+//
+// A row of K weights is K / 256 super-blocks of 210 bytes: ql[128] (4 low bits), qh[64] (2 high bits), sc[16]
+// (int8, one per group of 16) and d (float16); w = d * sc_g * (q - 32), q in [0, 63]. Half h of a super-block
+// holds its weights 128h .. 128h + 127: weight 128h + 32v + j (v < 4, j < 32) is the low (v < 2) or high (v >= 2)
+// nibble of ql[64h + 32 (v % 2) + j] under bits 2v and 2v + 1 of qh[32h + j].
+//   sum_k w x = sum_b xs_b * sum_{g in b} (d sc_g) * sum_{k in g} (q - 32) xq
+// The integer sums take the unsigned q times the signed xq, 4 products per int32 lane (a lane stays in its group
+// of 16), and drop the offset before any rounding: each lane starts at -32 times the sum of its 4 xq. One float
+// multiply-add per lane then applies d sc_g xs_b (d sc_g is exact in float32: 11 by 8 significant bits).
+// Built with -march=native: an AVX-512 VNNI path (64 weights per instruction), an AVX2 path (32, AVX-VNNI where
+// the compiler defines it) and plain loops for anything else.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "quantized_rows.h"
+
+namespace {
+
+constexpr int64_t QK_K = 256;  // weights per super-block
+constexpr int64_t BLOCK_BYTES = 210;
+constexpr int64_t LANE_CODES = 4;  // codes of x per int32 lane of the dot products
+
+// The super-block's 256 codes q - 32, in column order.
+inline void block_codes(const uint8_t* blk, int8_t* codes) {
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t v = 0; v < 4; ++v)
+      for (int64_t j = 0; j < 32; ++j) {
+        const int low = (blk[64 * h + 32 * (v % 2) + j] >> (4 * (v / 2))) & 0x0F;
+        const int high = (blk[128 + 32 * h + j] >> (2 * v)) & 3;
+        codes[128 * h + 32 * v + j] = static_cast<int8_t>((low | high << 4) - 32);
+      }
+}
+
+#if defined(__AVX2__)
+struct LaneRows {  // per row of x and lane of 4 codes: the lane's accumulator start and its block's xs
+  std::vector<int32_t> starts;  // [M, K / 4]: -32 * the sum of the lane's codes
+  std::vector<float> scales;    // [M, K / 4]
+};
+
+LaneRows lane_rows(const QuantizedRows& q, int64_t m, int64_t k) {
+  const int64_t lanes = m * k / LANE_CODES;
+  LaneRows x{std::vector<int32_t>(lanes), std::vector<float>(lanes)};
+  for (int64_t l = 0; l < lanes; ++l) {
+    const int8_t* c = q.codes.data() + l * LANE_CODES;
+    x.starts[l] = -32 * (c[0] + c[1] + c[2] + c[3]);
+    x.scales[l] = q.scales[l * LANE_CODES / X_BLOCK];
+  }
+  return x;
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t ROW_BLOCK = 8;  // rows of x per pass over the weights
+
+// A half super-block (ql: its 64 bytes of ql; qh: its 32 bytes of qh in both halves of the vector) is two vectors
+// of 64 codes: the low nibbles of ql under qh's bits 0-1 (first 32 bytes) or 2-3 (next 32), and the high nibbles
+// under bits 4-5 or 6-7.
+struct HighBits {  // qh's bits moved to 4-5 by 16-bit shifts, per half of the vector
+  __m512i low_nibbles = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // qh << 4, << 2
+  __m512i high_nibbles = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // qh, qh >> 2
+};
+
+inline __m512i low_codes(__m512i ql, __m512i qh, const HighBits& shift) {
+  return _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi8(0x0F)),
+                         _mm512_and_si512(_mm512_sllv_epi16(qh, shift.low_nibbles), _mm512_set1_epi8(0x30)));
+}
+
+inline __m512i high_codes(__m512i ql, __m512i qh, const HighBits& shift) {
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), _mm512_set1_epi8(0x0F)),
+                         _mm512_and_si512(_mm512_srlv_epi16(qh, shift.high_nibbles), _mm512_set1_epi8(0x30)));
+}
+
+// Output rows [begin, end) for R rows of x (xq, starts, x_scales: from the first of them on). Vector v of a
+// super-block covers its columns 64v .. 64v + 63: groups 4v .. 4v + 3 (4 lanes each) and two blocks of x (8 lanes
+// each).
+template <int64_t R>
+void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, const uint8_t* blocks, float* y,
+               int64_t n, int64_t k, int64_t begin, int64_t end) {
+  const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES, lanes = k / LANE_CODES;
+  const HighBits shift;
+  const __m512i lane_group =  // lane l: group l / 4
+      _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  const __m512i groups[4] = {lane_group, _mm512_add_epi32(lane_group, _mm512_set1_epi32(4)),
+                             _mm512_add_epi32(lane_group, _mm512_set1_epi32(8)),
+                             _mm512_add_epi32(lane_group, _mm512_set1_epi32(12))};
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = blocks + j * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + b), _MM_HINT_T0);
+    __m512 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* blk = row + s * BLOCK_BYTES;
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      const __m512 group_scales = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(half_at(blk + 208)));
+      const __m512i ql0 = _mm512_loadu_si512(blk), ql1 = _mm512_loadu_si512(blk + 64);
+      const __m512i qh0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128)));
+      const __m512i qh1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 160)));
+      const __m512i w[4] = {low_codes(ql0, qh0, shift), high_codes(ql0, qh0, shift), low_codes(ql1, qh1, shift),
+                            high_codes(ql1, qh1, shift)};
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < 4; ++v) {
+        const __m512 w_scale = _mm512_permutexvar_ps(groups[v], group_scales);
+        const int64_t lane = 16 * (4 * s + v);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512i x = _mm512_loadu_si512(xq + r * k + 4 * lane);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(starts + r * lanes + lane), w[v], x);
+          const __m512 scale = _mm512_mul_ps(w_scale, _mm512_loadu_ps(x_scales + r * lanes + lane));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+#elif defined(__AVX2__)
+constexpr int64_t ROW_BLOCK = AVX2_ROW_BLOCK;
+
+// sum of 4 products per int32 lane of unsigned 6-bit codes w and signed int8 x, added to `start`
+inline __m256i lane_dots(__m256i start, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(start, w, x);
+#else  // pairs of products fit 16 bits: 2 * 63 * 127 < 2^15
+  return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// The sums of the AVX-512 kernel above, in vectors of 32 codes: block b of a row covers columns 32b .. 32b + 31,
+// groups 2b, 2b + 1 (4 lanes each); a half super-block is 4 of them.
+template <int64_t R>
+void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, const uint8_t* blocks, float* y,
+               int64_t n, int64_t k, int64_t begin, int64_t end) {
+  const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES, lanes = k / LANE_CODES;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i lane_group = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = blocks + j * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + b), _MM_HINT_T0);
+    __m256 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* blk = row + s * BLOCK_BYTES;
+      const __m256 d = _mm256_set1_ps(half_at(blk + 208));
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      const __m256 group_scales[2] = {  // groups 0-7, 8-15
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d),
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d)};
+#pragma GCC unroll 2
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i w[4] = {
+            _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45)),
+            _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, bits45)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45))};
+#pragma GCC unroll 4
+        for (int64_t v = 0; v < 4; ++v) {
+          const int64_t b = 8 * s + 4 * h + v;
+          const __m256 w_scale =
+              _mm256_permutevar8x32_ps(group_scales[h], _mm256_add_epi32(lane_group, _mm256_set1_epi32(2 * v)));
+          for (int64_t r = 0; r < R; ++r) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + 32 * b));
+            const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(starts + r * lanes + 8 * b));
+            const __m256 scale = _mm256_mul_ps(w_scale, _mm256_loadu_ps(x_scales + r * lanes + 8 * b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_dots(start, w[v], x)), scale, acc[r]);
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes256(acc[r]);
+  }
+}
+#endif
+
+#if defined(__AVX2__)
+void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
+  const LaneRows x = lane_rows(q, m, k);
+  const int64_t lanes = k / LANE_CODES;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      q6_k_rows<decltype(rows)::value>(q.codes.data() + r * k, x.starts.data() + r * lanes,
+                                       x.scales.data() + r * lanes, blocks, y + r * n, n, k, begin, end);
+    });
+  });
+}
+#else  // the same sums, left to the compiler
+void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    int8_t codes[QK_K];
+    std::vector<float> acc(m);
+    for (int64_t j = begin; j < end; ++j) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = 0; s < supers; ++s) {
+        const uint8_t* blk = blocks + j * row_bytes + s * BLOCK_BYTES;
+        block_codes(blk, codes);
+        const float d = half_at(blk + 208);
+        for (int64_t g = 0; g < QK_K / 16; ++g) {
+          const float scale = d * static_cast<float>(static_cast<int8_t>(blk[192 + g]));
+          for (int64_t r = 0; r < m; ++r) {
+            const int64_t first = r * k + s * QK_K + 16 * g;
+            int32_t dot = 0;
+            for (int64_t i = 0; i < 16; ++i) dot += int32_t{codes[16 * g + i]} * int32_t{q.codes[first + i]};
+            acc[r] += static_cast<float>(dot) * scale * q.scales[first / X_BLOCK];
+          }
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) y[r * n + j] = acc[r];
+    }
+  });
+}
+#endif
+
+void check_blocks(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+              blocks.size(1) % BLOCK_BYTES == 0,
+              "blocks must be contiguous uint8 [N, K / 256 * 210] (Q6_K super-blocks), got ", blocks.scalar_type(),
+              " ", blocks.sizes());
+}
+
+// x [M, K] float32; blocks [N, K / 256 * 210] uint8 -> [M, N] float32
+at::Tensor q6_k_matmul(const at::Tensor& x, const at::Tensor& blocks) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  check_blocks(blocks);
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  TORCH_CHECK(k % QK_K == 0 && blocks.size(1) == k / QK_K * BLOCK_BYTES, "x has ", k, " columns but the blocks hold ",
+              blocks.size(1) / BLOCK_BYTES * QK_K);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  q6_k_matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k);
+  return y;
+}
+
+// blocks [N, K / 256 * 210] uint8 -> W [N, K], w = (d * sc) * (q - 32) in float32 (as gguf.quants.dequantize
+// computes it), rounded once to `dtype`
+at::Tensor q6_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
+  check_blocks(blocks);
+  const int64_t n = blocks.size(0), supers = blocks.size(1) / BLOCK_BYTES, k = supers * QK_K;
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  return dequantized(n, k, dtype, blocks.options(), [&](auto* wp) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      int8_t codes[QK_K];
+      for (int64_t j = begin; j < end; ++j)
+        for (int64_t s = 0; s < supers; ++s) {
+          const uint8_t* blk = bp + (j * supers + s) * BLOCK_BYTES;
+          block_codes(blk, codes);
+          const float d = half_at(blk + 208);
+          auto* out = wp + j * k + s * QK_K;
+          for (int64_t g = 0; g < QK_K / 16; ++g) {
+            const float scale = d * static_cast<float>(static_cast<int8_t>(blk[192 + g]));
+#pragma omp simd
+            for (int64_t i = 16 * g; i < 16 * (g + 1); ++i) store(out + i, scale * static_cast<float>(codes[i]));
+          }
+        }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferno, m) {
+  m.def("q6_k_matmul(Tensor x, Tensor blocks) -> Tensor");
+  m.def("q6_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(inferno, CPU, m) {
+  m.impl("q6_k_matmul", &q6_k_matmul);
+  m.impl("q6_k_dequantize", &q6_k_dequantize);
+}

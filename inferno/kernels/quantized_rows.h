@@ -1,0 +1,111 @@
+// What the quantized matmul kernels share (quantized_gemv.cpp, q6_k_gemv.cpp): the rows of x quantized to int8
+// per block of 32, the passes over row blocks of x, float16 reads and the float32 / bfloat16 output of the
+// dequantizers. Each kernel file is its own extension: everything here has internal linkage.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX2__)
+inline float sum_lanes256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// Weights are read once per step, so they come from memory: the kernels prefetch about 2 KB ahead of the row they
+// work on (cold int4 weights stream about twice as fast with it).
+constexpr int64_t PREFETCH_BYTES = 2048;
+constexpr int64_t AVX2_ROW_BLOCK = 4;  // rows of x per pass over the weights in 256-bit kernels (16 registers)
+
+// Calls run(std::integral_constant<int64_t, R>{}, r) for row blocks [r, r + R) of x covering [0, m): R = MAX_R,
+// then one smaller block for the rest (each row block is one pass over the weights).
+template <int64_t R, typename Run>
+void run_rows(int64_t count, int64_t r, Run& run) {
+  if constexpr (R > 0) {
+    if (count == R) run(std::integral_constant<int64_t, R>{}, r);
+    else run_rows<R - 1>(count, r, run);
+  }
+}
+
+template <int64_t MAX_R, typename Run>
+void for_row_blocks(int64_t m, Run&& run) {
+  int64_t r = 0;
+  for (; r + MAX_R <= m; r += MAX_R) run(std::integral_constant<int64_t, MAX_R>{}, r);
+  run_rows<MAX_R - 1>(m - r, r, run);
+}
+
+// The rows of x are quantized like a GGUF Q8_0 / Q8_1 block: x ~ xq * xs per block of 32 (absmax / 127), with the
+// sum of the block's codes (exact, an integer) and xs times it. Every term of a product multiplies the same rounded
+// activations, min terms included (as llama.cpp's Q8_1 blocks do): sum w * (xs * xq) differs from the exact sum by
+// sum w * e for rounding errors e, where the float sum of x in the min terms would leave sum (w - min) * e, several
+// times larger for weights whose min sits far below their mean (Q4_1, Q4_K).
+constexpr int64_t X_BLOCK = 32;
+
+struct QuantizedRows {  // the rows of x, quantized per block of 32
+  std::vector<int8_t> codes;     // [M, K]
+  std::vector<float> scales;     // [M, K / 32]
+  std::vector<int32_t> code_sums;  // [M, K / 32]
+  std::vector<float> sums;       // [M, K / 32]: of the rounded values, xs * code sum
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+  const int64_t blocks = m * k / X_BLOCK;
+  QuantizedRows q{std::vector<int8_t>(m * k), std::vector<float>(blocks), std::vector<int32_t>(blocks),
+                  std::vector<float>(blocks)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * X_BLOCK;
+    float amax = 0.f;
+    for (int64_t i = 0; i < X_BLOCK; ++i) amax = std::max(amax, std::abs(xb[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t code_sum = 0;
+    for (int64_t i = 0; i < X_BLOCK; ++i) {
+      const int8_t c = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+      q.codes[b * X_BLOCK + i] = c;
+      code_sum += c;
+    }
+    q.scales[b] = amax / 127.f;
+    q.code_sums[b] = code_sum;
+    q.sums[b] = q.scales[b] * static_cast<float>(code_sum);
+  }
+  return q;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ---- the dequantizers' output, float32 or bfloat16 ----
+inline uint16_t to_bfloat16(float x) {  // round to nearest even (weights are finite)
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+inline void store(float* out, float w) { *out = w; }
+inline void store(uint16_t* out, float w) { *out = to_bfloat16(w); }
+
+// Runs fill(Out* w) with the data of a new [n, k] tensor of `dtype` (float32 or bfloat16).
+template <typename Fill>
+at::Tensor dequantized(int64_t n, int64_t k, at::ScalarType dtype, const at::TensorOptions& options, Fill&& fill) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
+  auto w = at::empty({n, k}, options.dtype(dtype));
+  if (dtype == at::kFloat) fill(w.data_ptr<float>());
+  else fill(reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()));
+  return w;
+}
+
+}  // namespace

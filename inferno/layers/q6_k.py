@@ -1,0 +1,113 @@
+"""GGUF Q6_K weights run as stored: super-blocks of 256 weights in 210 bytes (6.5625 bits per weight), the bytes a
+decode step reads, against 10 bits per weight for the same weights as Q8 groups of 16 (int8 codes and a float32
+scale per 16). Decode-sized batches run the native `inferno::q6_k_matmul` (kernels/q6_k_gemv.cpp: activations
+quantized to int8 per block of 32, integer dot products, as llama.cpp computes); larger ones dequantize the weight
+once and run a dense GEMM in COMPUTE_DTYPE."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferno.kernels import q6_k_gemv
+from inferno.layers.quantization import AVX512_KERNELS, COMPUTE_DTYPE, Q8Groups
+
+QK_K, BLOCK_BYTES = 256, 210  # weights and bytes per super-block
+# From this many rows the layer dequantizes its weight and runs the dense GEMM instead of the kernel. AVX-512 (bfloat16
+# GEMM), one thread, CPU time: the four projections of Qwen2.5-1.5B's layers as Q6_K (`python kernels.py
+# --projections qwen2.5-1.5b --kinds q6_k_blocks --rows 32 48 64 --cpu-time`) 1404 against 3091 ms per step at 32
+# rows, 1923 against 3252 at 48, 2793 against 3305 at 64; its ffn_down alone (1536 x 8960, the Q6_K projection of
+# Q4_K_M files) crosses earlier: 23.6 against 23.7 ms at 40 rows, 28.8 against 25.0 at 48. AVX2 (float32 GEMM):
+# Q8Linear's crossover, not measured for Q6_K.
+Q6_K_DEQUANTIZE_FROM_ROWS = 64 if AVX512_KERNELS else 512
+
+
+@dataclass(slots=True)
+class Q6KBlocks:
+    """A GGUF Q6_K tensor's rows of super-blocks as stored, uint8 [N, K / 256 * 210]. A super-block: ql[128] (the
+    codes' 4 low bits), qh[64] (their 2 high bits), 16 int8 scales sc (one per group of 16), a float16 d;
+    w = d * sc * (q - 32). Rows are independent: permuting or stacking rows of `raw` permutes or stacks the
+    weight's rows."""
+    raw: torch.Tensor
+
+    group_size = 16  # of the Q8 groups that hold the same weights (`q8_groups`)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES * QK_K
+
+    def map_rows(self, fn) -> "Q6KBlocks":
+        return Q6KBlocks(fn(self.raw))
+
+    @staticmethod
+    def cat(parts: list["Q6KBlocks"]) -> "Q6KBlocks":
+        return Q6KBlocks(torch.cat([p.raw for p in parts]))
+
+    def q8_groups(self) -> Q8Groups:
+        """The same weights as signed codes q - 32 with the float32 scale d * sc per group of 16 (exact)."""
+        rows = self.raw.shape[0]
+        b = self.raw.reshape(rows, -1, BLOCK_BYTES)
+        n = b.shape[1]
+        ql, qh = b[..., 0:128].reshape(rows, n, 2, 64), b[..., 128:192].reshape(rows, n, 2, 1, 32)
+        low = torch.cat([ql & 0x0F, ql >> 4], dim=-1).view(rows, n, 2, 4, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        q = (low | (((qh >> shifts) & 3) << 4)).to(torch.int8) - 32
+        sc = b[..., 192:208].contiguous().view(torch.int8).float()
+        d = b[..., 208:210].contiguous().view(torch.float16).float()
+        return Q8Groups(q.view(rows, -1), (d * sc).view(rows, -1), None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, native: bool = True) -> torch.Tensor:
+        """[N, K] in `dtype`: (d * sc) * (q - 32) in float32, as `gguf.quants.dequantize` computes it, rounded once;
+        by the native operator when it is built (and `native`)."""
+        if native and q6_k_gemv() is not None and dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.inferno.q6_k_dequantize(self.raw.contiguous(), dtype)
+        return self.q8_groups().dequantize().to(dtype)
+
+
+class Q6KLinear(nn.Module):
+    """Q6_K super-blocks as stored (`Q6KBlocks`) times activations quantized to int8 per block of 32: the native
+    `inferno::q6_k_matmul` up to Q6_K_DEQUANTIZE_FROM_ROWS rows, dequantize-then-GEMM in COMPUTE_DTYPE beyond that
+    or without the native kernels."""
+
+    def __init__(self, weight: Q6KBlocks, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.raw.contiguous())
+        self.register_buffer("bias", bias)
+        self.native = q6_k_gemv() is not None
+
+    @property
+    def blocks(self) -> Q6KBlocks:
+        return Q6KBlocks(self.weight)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`, computed in float32 and rounded once."""
+        return self.blocks.dequantize(dtype, self.native)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.native and x2.shape[0] < Q6_K_DEQUANTIZE_FROM_ROWS:
+            y = torch.ops.inferno.q6_k_matmul(x2.float().contiguous(), self.weight)
+        else:
+            y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Q6KEmbedding(nn.Module):
+    """The token embedding as Q6_K super-blocks: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: Q6KBlocks, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.register_buffer("blocks", weight.raw.contiguous())
+
+    def as_lm_head(self) -> Q6KLinear:
+        """A tied LM head reading the same super-blocks."""
+        return Q6KLinear(Q6KBlocks(self.blocks))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = Q6KBlocks(self.blocks[input_ids.flatten()]).dequantize(self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
