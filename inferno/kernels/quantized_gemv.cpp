@@ -271,7 +271,7 @@ void q8_matmul(const QuantizedRows& q, const int8_t* codes, const float* scales,
 inline int64_t runs_per_vector(int64_t nb) { return nb <= 4 ? 4 : nb <= 8 ? 2 : 1; }
 
 struct ChunkedRows {  // the rows of x in the int4 chunk layout, per row and chunk:
-  std::vector<__m512i> codes;   // [M, chunks, 8]: per vector of runs its low-nibble then high-nibble codes, 0 past the end
+  std::vector<__m512i> codes;   // [M, chunks, 8]: per vector of runs its low-, then high-nibble codes; 0 past the end
   std::vector<__m512i> starts;  // [M, chunks]: the accumulator start, -8 * (sum of the lane's codes)
   std::vector<__m512> scales;   // [M, chunks]: per lane the xs of its block
   std::vector<float> group_sums;  // [M, groups]: sums of the rounded values
