@@ -184,7 +184,7 @@ def main() -> None:
     p.add_argument("--no-serve", action="store_true", help="skip the server rows (run for the first --model only)")
     p.add_argument("--compile-timeout", type=float, default=240.0,
                    help="seconds after /health answers to wait for the server's compiled decode step")
-    p.add_argument("--output", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    p.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")), help="'' to skip")
     args = p.parse_args()
     from inferno.loader.model_loader import default_model_path
     models = [str(Path(m).resolve()) for m in args.model or [default_model_path()]]  # the runs start in ROOT
@@ -241,7 +241,8 @@ def main() -> None:
                   f"startup.py): " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items()) + " (engine: the rest of "
                   "its construction)"]
     print("\n".join(lines))
-    write_section(args.output, "startup", "\n".join(lines))
+    if args.output:
+        write_section(Path(args.output), "startup", "\n".join(lines))
 
 
 def cpu_name() -> str:

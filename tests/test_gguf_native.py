@@ -12,7 +12,7 @@ from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
 from inferno.cpu_features import has_native_bfloat16
 from inferno.distributed.parallel_state import ParallelRank
-from inferno.layers.native_quantization import QuantizedEmbedding
+from inferno.layers.native_quantization import GGUFRowsEmbedding, QuantizedEmbedding
 from inferno.layers.q6_k import Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, q8_groups
@@ -27,7 +27,7 @@ PROMPT = list(range(40, 60))  # 20 byte tokens: decode-sized row counts run the 
 # (Q5_1), 0.0003 (Q4_K, Q5_K: larger logits), 0.056 (Q4_K_M-like); the default model 0.038.
 LOGIT_RELATIVE_TOLERANCE = 0.1
 MIN_MARGIN = 0.3  # the float model's top-2 logit gap from which the native model must pick the same token
-NATIVE_LAYERS = (Int4Linear, Q6KLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding)
+NATIVE_LAYERS = (Int4Linear, Q6KLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding, GGUFRowsEmbedding)
 
 
 def native_kinds(qtype: T) -> tuple[type, type, type]:
@@ -90,8 +90,8 @@ def weight_of(layer: torch.nn.Module) -> torch.Tensor:
         return layer.dequantize()[:, :layer.in_features]
     if isinstance(layer, QuantizedEmbedding):
         return layer.q8_groups.dequantize()
-    if isinstance(layer, Q6KEmbedding):
-        return layer(torch.arange(layer.num_embeddings))
+    if isinstance(layer, (Q6KEmbedding, GGUFRowsEmbedding)):
+        return layer(torch.arange(layer.num_embeddings)).float()
     return layer.weight.float()
 
 
@@ -144,7 +144,7 @@ def test_every_type_runs_natively_and_matches_the_float_model(tmp_path, qtype):
 
 def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
     """Q/K as Q4_K and V as Q6_K: the fused qkv_proj becomes Q8 groups of 16 that hold all three exactly; the Q6_K
-    down_proj and LM head run as stored."""
+    down_proj and LM head run as stored; the untied Q4_K embedding stays the file's blocks (rows converted on use)."""
     types = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
              "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "token_embd": T.Q4_K, "output": T.Q6_K}
     native, reference = native_and_float(write_tiny_gguf(tmp_path / "mixed.gguf", types, tied=False))
@@ -155,6 +155,7 @@ def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
     assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)
     assert isinstance(model.layers[0].mlp.down_proj, Q6KLinear)
     assert isinstance(model.lm_head, Q6KLinear)
+    assert isinstance(model.embed_tokens, GGUFRowsEmbedding) and model.embed_tokens.qtype == T.Q4_K
     assert_same_model(native, reference, rounded_int4=True)
 
 

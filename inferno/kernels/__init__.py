@@ -110,4 +110,19 @@ def gguf_repack():
     kernel's rows / Q8Groups' codes, scales and mins, see gguf_repack.cpp), or None when they cannot be built."""
     if not _build("inferno_gguf_repack", "gguf_repack.cpp", "repacking GGUF blocks with PyTorch ops"):
         return None
-    return torch.ops.inferno  # load-time operators: no fake shapes for torch.compile needed
+
+    @torch.library.register_fake("inferno::gguf_to_q8")
+    def _(raw, qtype):  # shapes for torch.compile's tracing (an embedding converts the rows it looks up)
+        block_values, block_bytes, group = BLOCK_SHAPES[qtype]
+        k = raw.shape[1] // block_bytes * block_values
+        mins = qtype in (3, 7, 12, 13)  # Q4_1, Q5_1, Q4_K, Q5_K
+        scales = raw.new_empty(raw.shape[0], k // group, dtype=torch.float)
+        return (raw.new_empty(raw.shape[0], k, dtype=torch.int8), scales,
+                torch.empty_like(scales) if mins else raw.new_empty(0, dtype=torch.float))
+
+    return torch.ops.inferno
+
+
+# ggml type number -> (values per block, bytes per block, values per Q8 group) of the types gguf_to_q8 reads
+BLOCK_SHAPES = {2: (32, 18, 32), 3: (32, 20, 32), 6: (32, 22, 32), 7: (32, 24, 32), 8: (32, 34, 32),
+                12: (256, 144, 32), 13: (256, 176, 32), 14: (256, 210, 16)}

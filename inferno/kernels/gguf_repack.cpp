@@ -11,6 +11,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <emmintrin.h>
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -59,6 +62,18 @@ inline void store_half(uint8_t* p, float v) {
   std::memcpy(p, &bits, sizeof(bits));
 }
 
+// Asks for transparent huge pages under the 2 MiB-aligned interior of `bytes` at `p`, an output about to be written
+// for the first time: one page fault per 2 MiB instead of per 4 KiB (Qwen2.5-1.5B's int4 rows: 5.2 vs 2.9 ms per
+// 8960 x 1536 matrix, one thread). Where the kernel does not allow them, nothing changes.
+inline void advise_huge_pages(void* p, int64_t bytes) {
+#if defined(MADV_HUGEPAGE)
+  constexpr uintptr_t HUGE_PAGE = uintptr_t{1} << 21;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(HUGE_PAGE - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+}
+
 // Q4_K / Q5_K's 12 bytes of 6-bit scales and mins of the 8 sub-blocks.
 inline void k_scales(const uint8_t* p, uint8_t* sc, uint8_t* mn) {
   for (int j = 0; j < 4; ++j) {
@@ -80,13 +95,11 @@ std::pair<int64_t, int64_t> check_raw(const at::Tensor& raw, const TypeInfo& t) 
 
 // ---- 1. the int4 layout ----
 
-// The 32 codes of one block as the layout's 4 runs of 4 bytes: byte 4v + i = code 4v + i | code 16 + 4v + i << 4.
-// `low` and `high` give code j (j < 16) and code 16 + j of the block.
-template <typename Code>
-inline void put_block(uint8_t* chunk, int64_t nb, int64_t l, Code code) {
-  for (int64_t v = 0; v < 4; ++v)
-    for (int64_t i = 0; i < 4; ++i)
-      chunk[v * 4 * nb + 4 * l + i] = static_cast<uint8_t>(code(4 * v + i) | (code(16 + 4 * v + i) << 4));
+// The 16 bytes of one block, byte 4v + i = code 4v + i | code 16 + 4v + i << 4, as the layout's 4 runs of 4 bytes.
+inline void put_block(uint8_t* chunk, int64_t nb, int64_t l, __m128i bytes) {
+  alignas(16) uint8_t runs[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(runs), bytes);
+  for (int64_t v = 0; v < 4; ++v) std::memcpy(chunk + v * 4 * nb + 4 * l, runs + 4 * v, 4);
 }
 
 // Writes into `packed` (uint8 [rows, K / 2 + 4 * K / 32], contiguous): a fused layer's shards go straight into
@@ -103,6 +116,7 @@ void gguf_to_int4(const at::Tensor& raw, int64_t qtype, at::Tensor& packed) {
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const int64_t src_stride = raw.stride(0), dst_stride = packed.size(1);
+  advise_huge_pages(dst, rows * dst_stride);
   at::parallel_for(0, rows, row_grain(dst_stride), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* in = src + r * src_stride;
@@ -125,11 +139,16 @@ void gguf_to_int4(const at::Tensor& raw, int64_t qtype, at::Tensor& packed) {
           k_scales(blk + 4, sc, mn);
           for (int64_t p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high) share 32 bytes
             const uint8_t* qs = blk + 16 + 32 * p;
+            const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));  // columns j, 32 + j
+            const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));  // 16 + j, 48 + j
+            const __m128i low4 = _mm_set1_epi8(0x0F);
             const int64_t b = s * 8 + 2 * p;
             uint8_t* chunk = chunk_of(b, nb, l);
-            put_block(chunk, nb, l, [&](int64_t j) { return qs[j] & 0x0F; });
+            put_block(chunk, nb, l, _mm_or_si128(_mm_and_si128(first, low4),
+                                                 _mm_slli_epi16(_mm_and_si128(second, low4), 4)));
             chunk = chunk_of(b + 1, nb, l);
-            put_block(chunk, nb, l, [&](int64_t j) { return qs[j] >> 4; });
+            put_block(chunk, nb, l, _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), low4),
+                                                 _mm_andnot_si128(low4, second)));
           }
           for (int64_t j = 0; j < 8; ++j) {
             const int64_t g = s * 8 + j;
@@ -171,6 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_to_q8(const at::Tensor& raw,
   float* s_out = scales.data_ptr<float>();
   float* m_out = has_mins ? mins.data_ptr<float>() : nullptr;
   const int64_t src_stride = raw.stride(0);
+  advise_huge_pages(q_out, rows * k);
   at::parallel_for(0, rows, row_grain(k + 4 * groups * (has_mins ? 2 : 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* in = src + r * src_stride;

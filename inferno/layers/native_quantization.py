@@ -2,13 +2,41 @@
 Each projection whose blocks the loader repacked runs them (4-bit groups through `Int4Linear`, Q6_K super-blocks as
 stored through `Q6KLinear`, Q8 groups through `Q8Linear`), the token embedding stays quantized
 (`QuantizedEmbedding`, `Q6KEmbedding`) and a tied LM head reads the same codes; everything else stays float."""
+from dataclasses import dataclass
+
+import gguf
 import torch
 from torch import nn
 
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import GroupQuantized, Int4Linear, PackedInt4, Q8Groups, Q8Linear, ZeroPointInt4
 
-NativeWeight = GroupQuantized | PackedInt4 | Q6KBlocks | Q8Groups | ZeroPointInt4
+WITH_MINS = {gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_1,
+             gguf.GGMLQuantizationType.Q5_K}
+
+
+@dataclass
+class GGUFRows:
+    """A GGUF tensor's blocks as stored, of any type `gguf_to_q8` reads (gguf_repack.cpp), rows converted on use."""
+    raw: torch.Tensor  # uint8 [rows, bytes per row]: a view of the file's memory map
+    qtype: gguf.GGMLQuantizationType
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return self.raw.shape[0], self.raw.shape[1] // size * block
+
+    def q8_groups(self, rows: torch.Tensor | None = None) -> Q8Groups:
+        """These rows (all by default) as Q8 groups, exactly."""
+        raw = self.raw if rows is None else self.raw[rows]
+        codes, scales, mins = torch.ops.inferno.gguf_to_q8(raw, int(self.qtype))
+        return Q8Groups(codes, scales, mins if self.qtype in WITH_MINS else None)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q8_groups().dequantize()
+
+
+NativeWeight = GGUFRows | GroupQuantized | PackedInt4 | Q6KBlocks | Q8Groups | ZeroPointInt4
 
 
 class QuantizedEmbedding(nn.Module):
@@ -37,12 +65,31 @@ class QuantizedEmbedding(nn.Module):
         return rows.dequantize().to(self.dtype)
 
 
+class GGUFRowsEmbedding(nn.Module):
+    """An untied token embedding left as the file's blocks: a lookup converts only the rows it reads, so the
+    vocabulary is neither copied nor converted at load (Qwen2.5-Coder-1.5B's Q4_K embedding: 152k rows, 290 MB as
+    Q8 groups)."""
+
+    def __init__(self, weight: GGUFRows, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.qtype = weight.qtype
+        self.register_buffer("blocks", weight.raw)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = GGUFRows(self.blocks, self.qtype).q8_groups(input_ids.flatten()).dequantize().to(self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
 def load_native_layers(model: nn.Module, prequantized: dict[str, NativeWeight]) -> None:
     """Swap each layer named in `prequantized` (the loader's repacked checkpoint blocks) for its native form."""
     for name, weight in prequantized.items():
         module = model.get_submodule(name)
         q6_k = isinstance(weight, Q6KBlocks)
-        if name == "embed_tokens":
+        if name == "embed_tokens" and isinstance(weight, GGUFRows):
+            set_submodule(model, name, GGUFRowsEmbedding(weight, module.weight.dtype))
+        elif name == "embed_tokens":
             embedding = (Q6KEmbedding if q6_k else QuantizedEmbedding)(weight, module.weight.dtype)
             set_submodule(model, name, embedding)
             if model.config.tie_word_embeddings and model.lm_head is not None:

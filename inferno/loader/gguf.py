@@ -12,11 +12,14 @@ from inferno.layers.q6_k import Q6KBlocks
 from inferno.layers.quantization import GroupQuantized, Q8Groups
 from inferno.loader.gguf_architectures import (EXPERT_TENSORS, architecture_options, layer_tensor_overrides,
                                                to_hf_layout)
-from inferno.loader.gguf_blocks import INT4_TYPES, Int4Blocks, int4_groups, int4_rows, q6_k_blocks, q8_groups
+from inferno.kernels import gguf_repack
+from inferno.layers.native_quantization import GGUFRows
+from inferno.loader.gguf_blocks import (INT4_TYPES, Q8_TYPES, Int4Blocks, int4_groups, int4_rows, q6_k_blocks, q8_groups,
+                                        rows_of)
 from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 
 T = gguf.GGMLQuantizationType
-Blocks = GroupQuantized | Int4Blocks | Q6KBlocks | Q8Groups  # quantized blocks in a kernel's form
+Blocks = GGUFRows | GroupQuantized | Int4Blocks | Q6KBlocks | Q8Groups  # quantized blocks in a kernel's form
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "olmoe")
 
@@ -108,11 +111,12 @@ def has_quantized_tensors(gguf_file: GGUFFile) -> bool:
     return any(t.tensor_type not in FLOAT_TYPES for t in gguf_file.tensors)
 
 
-def native_weight(tensor: GGUFTensor, name: str, native: str) -> Blocks | None:
+def native_weight(tensor: GGUFTensor, name: str, native: str, tied: bool = True) -> Blocks | None:
     """The tensor's blocks in a form a kernel runs, or None where it is to become float. `native` "auto": every
     quantized projection (4-bit types in the int4 layout, Q6_K as stored, the others as Q8 groups), the token
-    embedding and the LM head (Q6_K as stored, the others as Q8 groups, which hold every type exactly); "q4": only
-    Q4_0 / Q4_1 projections (explicit int4 / int8 with groups of 32); "none": nothing."""
+    embedding and the LM head (Q6_K as stored, the others as Q8 groups, which hold every type exactly; an embedding
+    not `tied` to the LM head as stored, its rows converted when looked up); "q4": only Q4_0 / Q4_1 projections
+    (explicit int4 / int8 with groups of 32); "none": nothing."""
     qtype = tensor.tensor_type
     if native == "none" or qtype in FLOAT_TYPES:
         return None
@@ -122,6 +126,8 @@ def native_weight(tensor: GGUFTensor, name: str, native: str) -> Blocks | None:
         return int4_groups(tensor.data, qtype) if projection and qtype in Q4_LEGACY_TYPES else None
     if projection and qtype in INT4_TYPES:
         return int4_rows(tensor.data, qtype)
+    if name == "model.embed_tokens.weight" and not tied and qtype in Q8_TYPES and gguf_repack() is not None:
+        return GGUFRows(rows_of(tensor.data), qtype)
     if projection or name in ("model.embed_tokens.weight", "lm_head.weight"):
         return q6_k_blocks(tensor.data) if qtype == T.Q6_K else q8_groups(tensor.data, qtype)
     return None
@@ -156,7 +162,7 @@ def iter_weights(gguf_file: GGUFFile, config: ModelConfig,
             raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file")
         if name.startswith("rope_factors_"):
             continue
-        w = native_weight(tensor, name, native)
+        w = native_weight(tensor, name, native, config.tie_word_embeddings)
         if w is None:
             w = to_hf_layout(arch, name, float_weight(tensor))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

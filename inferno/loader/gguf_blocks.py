@@ -167,8 +167,8 @@ def pack_int4_shards(shards: list[Int4Blocks]) -> PackedInt4:
 
 
 def q6_k_blocks(raw: Raw) -> Q6KBlocks:
-    """Q6_K rows as stored, copied out of the memory map."""
-    return Q6KBlocks(rows_of(raw).clone())
+    """Q6_K rows as stored: a view of the file's memory map (copy-on-write, so the file is never written)."""
+    return Q6KBlocks(rows_of(raw))
 
 
 def q8_groups(raw: Raw, qtype: T) -> Q8Groups:
