@@ -1,6 +1,5 @@
 """Find the model, build the decoder, fill its weights (fusing QKV and gate/up), pick the dtype."""
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import importlib.util
 import logging
@@ -66,38 +65,34 @@ def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SI
     dequantizes every weight to float; "auto" runs a GGUF file's quantized blocks, or an AWQ / GPTQ folder's 4-bit
     codes, as they are (float checkpoints stay float); "int8" / "int4" (groups of `group_size`, int8 also
     PER_CHANNEL) swap the projections for quantized layers; "w8a8" swaps them for int8 x int8 layers whose input
-    thresholds come from `calibration` (default: the file beside the model). The tokenizer is built on a thread of
-    its own meanwhile."""
+    thresholds come from `calibration` (default: the file beside the model)."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
         raise ValueError(f"model path {path!r} does not exist (expected a .gguf file or a Hugging Face folder)")
-    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as tokenizer_build:
-        if p.is_file():
-            gguf_file = gguf_loader.open_gguf(path)
-            config = gguf_loader.read_config(gguf_file)
-            if quantization == "auto" and parallel.tp_size > 1 and gguf_loader.has_quantized_tensors(gguf_file):
-                logger.warning("tensor_parallel_size=%d: the quantized layers are not split across ranks yet, so the "
-                               "GGUF weights are dequantized to float", parallel.tp_size)
-                quantization = None
-            legacy_q4 = quantization in ("int8", "int4") and group_size == 32
-            native = "auto" if quantization == "auto" else "q4" if legacy_q4 else "none"
-            weights = gguf_loader.iter_weights(gguf_file, config, native)
-            # built while the weights load (their repacking runs in native code, without the GIL): Qwen2.5's 152k
-            # tokens and merges take 0.3 s
-            tokenizer = tokenizer_build.submit(Tokenizer.from_gguf, gguf_file)
-        else:
-            config = hf_loader.read_config(p)
-            if quantization == "auto" and parallel.tp_size > 1 and hf_loader.is_quantized(p):
-                logger.warning("tensor_parallel_size=%d: the quantized layers are not split across ranks yet, so the "
-                               "AWQ / GPTQ weights are dequantized to float", parallel.tp_size)
-            weights = hf_loader.iter_weights(p, native_int4=quantization == "auto" and parallel.tp_size == 1)
-            tokenizer = tokenizer_build.submit(Tokenizer.from_hf_folder, path)
-        calibrated = None
-        if quantization == "w8a8":
-            calibrated = read_calibration(calibration or default_calibration_path(path), config)
-        model = build_model(config, dtype, weights, parallel, quantization, group_size, calibrated)
-        return LoadedModel(model, config, tokenizer.result(), path)
+    if p.is_file():
+        gguf_file = gguf_loader.open_gguf(path)
+        config = gguf_loader.read_config(gguf_file)
+        if quantization == "auto" and parallel.tp_size > 1 and gguf_loader.has_quantized_tensors(gguf_file):
+            logger.warning("tensor_parallel_size=%d: the quantized layers are not split across ranks yet, so the "
+                           "GGUF weights are dequantized to float", parallel.tp_size)
+            quantization = None
+        legacy_q4 = quantization in ("int8", "int4") and group_size == 32
+        native = "auto" if quantization == "auto" else "q4" if legacy_q4 else "none"
+        weights = gguf_loader.iter_weights(gguf_file, config, native)
+        tokenizer = Tokenizer.from_gguf(gguf_file)
+    else:
+        config = hf_loader.read_config(p)
+        if quantization == "auto" and parallel.tp_size > 1 and hf_loader.is_quantized(p):
+            logger.warning("tensor_parallel_size=%d: the quantized layers are not split across ranks yet, so the "
+                           "AWQ / GPTQ weights are dequantized to float", parallel.tp_size)
+        weights = hf_loader.iter_weights(p, native_int4=quantization == "auto" and parallel.tp_size == 1)
+        tokenizer = Tokenizer.from_hf_folder(path)
+    calibrated = None
+    if quantization == "w8a8":
+        calibrated = read_calibration(calibration or default_calibration_path(path), config)
+    model = build_model(config, dtype, weights, parallel, quantization, group_size, calibrated)
+    return LoadedModel(model, config, tokenizer, path)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor | Blocks]],
