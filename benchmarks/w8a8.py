@@ -1,8 +1,8 @@
-"""W8A8 (int8 weights x int8 activations, calibrated thresholds) against float32, bfloat16 and absmax thresholds.
+"""W8A8 (int8 weights x per-token int8 activations, calibrated SmoothQuant factors) against float32 and bfloat16.
 
-The thresholds are calibrated on the float32 model with `LLM.calibrate` (what `inferno calibrate` runs) on the
-built-in calibration sample, per method (entropy: KL-minimising, absmax: the largest input seen) and SmoothQuant
-strength (--smoothing, and 0: none). Quality is measured
+The factors are calibrated on the float32 model with `LLM.calibrate` (what `inferno calibrate` runs) on the
+built-in calibration sample: none (0), one migration strength for every projection (--smoothing) and each
+projection type's own (the default). Quality is measured
 as in benchmarks/quality.py on its texts (not the calibration sample): mean KL(float32 || config) of the next-token
 distributions, top-1 agreement, perplexity. Prefill speed: one prompt of --prefill-tokens tokens as one prefill
 step (logits of its last token only), the best of --repeats runs, wall time and CPU time of this process.
@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk of the quality texts (tokens)")
-    p.add_argument("--smoothing", type=float, default=0.5, help="SmoothQuant migration strength alpha")
+    p.add_argument("--smoothing", type=float, default=0.5, help="SmoothQuant migration strength alpha for all")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")), help="'' to skip")
     args = p.parse_args()
@@ -64,16 +64,15 @@ def main() -> None:
     common = dict(kv_cache_memory=64 << 20, num_threads=args.num_threads, enforce_eager=True)
     folder = Path(tempfile.mkdtemp())
     llm = LLM(args.model, **FLOAT32, **common)
-    files = {(method, alpha): llm.calibrate(str(folder / f"{method}-{alpha}.json"), method=method, smoothing=alpha)
-             for method, alpha in (("absmax", args.smoothing), ("entropy", 0.0), ("entropy", args.smoothing))}
+    files = {alpha: llm.calibrate(str(folder / f"smoothing-{alpha}.json"), smoothing=alpha)
+             for alpha in (0.0, args.smoothing, None)}
     model_path = llm.llm_engine.model_path
     del llm
     configurations = {
         "float32": FLOAT32,
         "bfloat16": {"dtype": "bfloat16", "quantization": None},
-        **{f"w8a8, {method} thresholds, smoothing {alpha}": {**FLOAT32, "quantization": "w8a8",
-                                                             "calibration": str(path)}
-           for (method, alpha), path in files.items()},
+        **{f"w8a8, smoothing {'per projection type' if alpha is None else alpha}":
+           {**FLOAT32, "quantization": "w8a8", "calibration": str(path)} for alpha, path in files.items()},
     }
     reference, texts, rows = None, None, []
     for name, engine_args in configurations.items():
@@ -89,13 +88,13 @@ def main() -> None:
         del llm
         gc.collect()
     bf16_wall = next(wall for q, wall, _ in rows if q.name == "bfloat16")
-    lines = ["## W8A8 with calibrated activation thresholds (`benchmarks/w8a8.py`)", "",
+    lines = ["## W8A8: int8 x per-token int8 with calibrated smoothing (`benchmarks/w8a8.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}` (from `benchmarks/`)",
              f"- Model: `{Path(model_path).name}` dequantized to float32 (the reference), {args.num_threads} threads; "
              "float32 KV cache in every row but bfloat16's",
              f"- Quality: {rows[0][0].positions} next-token positions of benchmarks/quality.py's texts, chunks of "
-             f"{args.chunk}; thresholds calibrated on the built-in sample (`inferno calibrate`)",
+             f"{args.chunk}; smoothing calibrated on the built-in sample (`inferno calibrate`)",
              f"- Prefill: one {args.prefill_tokens}-token prompt, the best of {args.repeats} runs",
              "", "| configuration | mean KL (nats) | top-1 agreement | perplexity | prefill ms (wall) | prefill ms (CPU) "
              "| speed-up vs bfloat16 (wall) |", "|---|---:|---:|---:|---:|---:|---:|"]

@@ -176,8 +176,6 @@ QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 # "auto": Triton on CUDA; on the CPU the native decode kernel where it can run the model, else PyTorch
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton")
-# how activation calibration picks each w8a8 layer's input threshold: minimal KL divergence, or the absmax seen
-CALIBRATION_METHODS = ("entropy", "absmax")
 
 
 @dataclass
@@ -189,7 +187,7 @@ class EngineConfig:
     dtype: str = "auto"
     # weight-only: "auto" runs a GGUF file's quantized blocks (or an AWQ / GPTQ folder's codes) as stored (float
     # checkpoints stay float); None dequantizes them to float; "int8" or "int4" (both group-wise) quantize every
-    # projection; "w8a8": int8 weights and int8 activations with calibrated thresholds (`calibration`)
+    # projection; "w8a8": int8 weights and per-token int8 activations, calibrated SmoothQuant factors (`calibration`)
     quantization: str | None = "auto"
     # input columns per scale and min/zero (32 loads GGUF Q4_0/Q4_1 as is); int8 also PER_CHANNEL (-1)
     quantization_group_size: int = 32

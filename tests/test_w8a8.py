@@ -1,10 +1,9 @@
-"""W8A8 with calibrated activation thresholds: the entropy calibration picks the KL-minimising threshold (checked
-against a brute force), thresholds stay within the absmax seen, the int8 x int8 layer stays close to float, and
-the `inferno calibrate` file is what `LLM(quantization="w8a8")` loads (bad or missing files are a ValueError)."""
+"""W8A8 with calibrated SmoothQuant factors: the int8 x int8 layer stays close to float (smoothing and down_proj's
+rotation help), folding the smoothing into the operation before a projection leaves the float model's output as it
+was, and the `inferno calibrate` file is what `LLM(quantization="w8a8")` loads (bad, old or missing files are a
+ValueError)."""
 import json
-import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,40 +11,17 @@ import torch.nn.functional as F
 from conftest import FLOAT32, prefill_logits
 from inferno import LLM
 from inferno.entrypoints.cli import main
-from inferno.layers.activation_calibration import QUANTIZED_BINS, SMOOTHING, entropy_threshold, smoothing_factors
-from inferno.layers.w8a8 import W8A8_FROM_ROWS, W8A8Linear
+from inferno.layers.activation_calibration import SMOOTHING, smoothing_factors
+from inferno.layers.w8a8 import W8A8_FROM_ROWS, W8A8Linear, hadamard, quantize_w8a8, rotate
 from test_architectures import prompts
 from tiny_models import write_hf_model
 
 
-def brute_force_kl(hist: list[float], i: int) -> float:
-    """KL(P || Q) for clipping after bin i, bin by bin: P is the histogram clipped into its first i bins; Q merges
-    those i bins into QUANTIZED_BINS runs and spreads each run's mass evenly over its non-empty bins, and gives a
-    bin where P has mass and Q none SMOOTHING of its normalised mass."""
-    p = hist[:i]
-    p[-1] += sum(hist[i:])
-    q = [0.0] * i
-    for run in range(QUANTIZED_BINS):
-        start, stop = run * i // QUANTIZED_BINS, (run + 1) * i // QUANTIZED_BINS
-        filled = [b for b in range(start, stop) if hist[b] > 0]
-        for b in filled:
-            q[b] = sum(hist[start:stop]) / len(filled)
-    q = [qb / sum(q) for qb in q]
-    q = [SMOOTHING if pb > 0 and qb == 0 else qb for pb, qb in zip(p, q)]
-    total_p, total_q = sum(p), sum(q)
-    return sum(pb / total_p * math.log((pb / total_p) / (qb / total_q)) for pb, qb in zip(p, q) if pb > 0)
-
-
-def test_entropy_threshold_clips_an_outlier_and_minimises_kl():
-    rng = np.random.default_rng(0)
-    values = np.abs(np.concatenate([rng.standard_normal(20000), [40.0, -38.0]]))  # a bulk and two outliers
-    bins = 512
-    hist = np.histogram(values, bins=bins, range=(0, values.max()))[0].astype(np.float64)
-    threshold = entropy_threshold(hist, values.max())
-    kls = {i: brute_force_kl(hist.tolist(), i) for i in range(QUANTIZED_BINS, bins + 1)}
-    best = min(kls, key=kls.get)
-    assert threshold == pytest.approx(values.max() * best / bins)
-    assert 2.0 < threshold < 0.5 * values.max()  # the outliers are clipped, the bulk (|x| < ~4) is kept
+def test_block_rotation_is_orthonormal():
+    h = hadamard(64)
+    torch.testing.assert_close(h @ h.T, torch.eye(64), atol=1e-6, rtol=0)
+    x, w = torch.randn(5, 128), torch.randn(7, 128)
+    torch.testing.assert_close(rotate(x, h) @ rotate(w, h).T, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +38,24 @@ def calibration_file(tiny_folder):
     return path
 
 
-def test_calibrated_thresholds_stay_within_absmax(calibration_file):
-    layers = json.loads(calibration_file.read_text())["layers"]
+def test_calibration_file_has_factors_for_every_projection(calibration_file):
+    document = json.loads(calibration_file.read_text())
+    assert document["version"] == 2 and document["smoothing"] is None  # each projection type's own strength
+    layers = document["layers"]
     expected = {f"layers.{i}.{name}" for i in range(2)
                 for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
     assert set(layers) == expected
-    assert all(0 < entry["threshold"] <= entry["absmax"] for entry in layers.values())
-    assert any(entry["threshold"] < entry["absmax"] for entry in layers.values())
+    assert all(len(e["smoothing"]) in (64, 128) and min(e["smoothing"]) > 0 for e in layers.values())
+    assert all(e["smoothing"] == [1.0] * 64 for name, e in layers.items() if name.endswith("o_proj"))
+    assert SMOOTHING["o_proj"] == 0 and all(SMOOTHING[k] > 0 for k in ("qkv_proj", "gate_up_proj", "down_proj"))
+
+
+def int8_error(linear: torch.nn.Linear, x: torch.Tensor, smoothing: torch.Tensor | None, rotated: bool) -> float:
+    """Relative error of a W8A8Linear fed x / smoothing (what the operation before it gives once folded)."""
+    s = torch.ones(linear.in_features) if smoothing is None else smoothing
+    want = F.linear(x, linear.weight, linear.bias)
+    y = W8A8Linear(linear.weight * s, linear.bias, rotated=rotated)(x / s)
+    return ((y - want).norm() / want.norm()).item()
 
 
 def test_w8a8_linear_is_close_to_float():
@@ -78,19 +65,40 @@ def test_w8a8_linear_is_close_to_float():
     outliers[[3, 77]] = 30.0  # two input channels with outliers, which smoothing scales down
     for rows in (W8A8_FROM_ROWS, 100, 3):  # int8 x int8, and the weight-only path of decode-sized batches
         x = torch.randn(rows, 256) * outliers
-        want = F.linear(x, linear.weight, linear.bias)
         smoothing = smoothing_factors(x.abs().amax(dim=0), linear.weight, 0.5)
-        errors = []
-        for s in (None, smoothing):
-            threshold = (x.abs() if s is None else x.abs() / s).max().item()
-            y = W8A8Linear(linear.weight, linear.bias, threshold, s)(x)
-            errors.append(((y - want).norm() / want.norm()).item())
-        assert errors[1] < 2e-2 and (rows < W8A8_FROM_ROWS or errors[1] < errors[0])  # smoothing helps int8 inputs
-    layer = W8A8Linear(linear.weight, linear.bias, threshold, smoothing)
+        plain, smoothed = int8_error(linear, x, None, False), int8_error(linear, x, smoothing, False)
+        assert smoothed < 2e-2 and (rows < W8A8_FROM_ROWS or smoothed < plain)  # smoothing helps int8 inputs
+    x = torch.randn(64, 256)
+    x[5, 10] = 200.0  # one token with a massive activation: the rotation spreads it over its block of 64
+    assert int8_error(linear, x, None, True) < 0.5 * int8_error(linear, x, None, False)
+    layer = W8A8Linear(linear.weight, linear.bias, 1 / smoothing, rotated=True)
     layer.native = False  # the integer product on the PyTorch path: the same integers, the same result
-    x = torch.randn(64, 256) * outliers
-    torch.testing.assert_close(layer(x), W8A8Linear(linear.weight, linear.bias, threshold, smoothing)(x),
+    torch.testing.assert_close(layer(x), W8A8Linear(linear.weight, linear.bias, 1 / smoothing, rotated=True)(x),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_folded_smoothing_leaves_the_float_model_unchanged(tiny_folder, calibration_file):
+    """With the int8 layers swapped back for float ones, the folded factors (norm weights, up rows) cancel out."""
+    llm = LLM(str(tiny_folder), **FLOAT32, kv_cache_memory=8 << 20)
+    model = llm.llm_engine.model_runner.model
+    ids = prompts([40])[0]
+    ref = prefill_logits(llm.llm_engine, ids)
+    smoothing = {name: torch.tensor(e["smoothing"]) for name, e in
+                 json.loads(calibration_file.read_text())["layers"].items()}
+    norm = model.layers[0].input_layernorm.weight
+    before = norm.clone()
+    quantize_w8a8(model, smoothing)
+    torch.testing.assert_close(norm, before / smoothing["layers.0.self_attn.qkv_proj"])  # QKV's factors folded
+    for name, module in list(model.named_modules()):
+        if isinstance(module, W8A8Linear):  # an exact float layer with the same (smoothed, rotated) weights
+            codes = module.weight.float() * module.scales.unsqueeze(1)
+            w = codes if module.rotation is None else rotate(codes, module.rotation)  # H is its own inverse
+            exact = torch.nn.Linear(module.in_features, module.out_features, bias=False)
+            exact.weight.data = w if module.input_scales is None else w * module.input_scales
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, exact)
+    ours = prefill_logits(llm.llm_engine, ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.05  # only the weights' int8 rounding is left
 
 
 def test_calibrate_cli_writes_the_file_llm_loads(tiny_folder, calibration_file):
@@ -98,9 +106,8 @@ def test_calibrate_cli_writes_the_file_llm_loads(tiny_folder, calibration_file):
     w8a8 = LLM(str(tiny_folder), dtype="float32", quantization="w8a8", calibration=str(calibration_file),
                kv_cache_memory=8 << 20)
     layers = [m for m in w8a8.llm_engine.model_runner.model.modules() if isinstance(m, W8A8Linear)]
-    thresholds = json.loads(calibration_file.read_text())["layers"]
-    assert len(layers) == len(thresholds) == 8
-    assert sorted(m.threshold for m in layers) == sorted(e["threshold"] for e in thresholds.values())
+    assert len(layers) == len(json.loads(calibration_file.read_text())["layers"]) == 8
+    assert sum(m.rotation is not None for m in layers) == 2  # the down projections
     ids = prompts([80])[0]
     ref, ours = prefill_logits(float_llm.llm_engine, ids), prefill_logits(w8a8.llm_engine, ids)
     assert ((ours - ref).norm() / ref.norm()).item() < 0.2  # random weights, calibrated on other text
@@ -108,10 +115,10 @@ def test_calibrate_cli_writes_the_file_llm_loads(tiny_folder, calibration_file):
 
 def test_calibration_beside_the_model_is_the_default(tmp_path):
     write_hf_model(tmp_path, "llama")
-    main(["calibrate", str(tmp_path), "--method", "absmax", "--num-threads", "1"])
+    main(["calibrate", str(tmp_path), "--smoothing", "0", "--num-threads", "1"])
     document = json.loads((tmp_path / "activation_calibration.json").read_text())
-    assert document["method"] == "absmax"
-    assert all(e["threshold"] == e["absmax"] for e in document["layers"].values())
+    assert document["smoothing"] == 0
+    assert all(set(e["smoothing"]) == {1.0} for e in document["layers"].values())
     llm = LLM(str(tmp_path), dtype="float32", quantization="w8a8", kv_cache_memory=8 << 20)
     assert any(isinstance(m, W8A8Linear) for m in llm.llm_engine.model_runner.model.modules())
 
@@ -127,17 +134,21 @@ def test_missing_or_mismatched_calibration_is_a_value_error(tmp_path, tiny_folde
     document = json.loads(calibration_file.read_text())
     del document["layers"]["layers.1.mlp.down_proj"]
     (tmp_path / "partial.json").write_text(json.dumps(document))
-    with pytest.raises(ValueError, match="does not fit this model: 1 of its layers have no threshold"):
+    with pytest.raises(ValueError, match="does not fit this model: 1 of its layers have no smoothing factors"):
         LLM(str(tiny_folder), calibration=str(tmp_path / "partial.json"), **args)
     document = json.loads(calibration_file.read_text())
     document["layers"]["layers.0.mlp.down_proj"]["smoothing"] = [1.0] * 3
     (tmp_path / "short.json").write_text(json.dumps(document))
     with pytest.raises(ValueError, match="has 128 inputs but 3 smoothing factors"):
         LLM(str(tiny_folder), calibration=str(tmp_path / "short.json"), **args)
-    document["layers"]["layers.0.mlp.down_proj"]["threshold"] = -1.0
+    document["layers"]["layers.0.mlp.down_proj"]["smoothing"] = [-1.0] * 128
     (tmp_path / "negative.json").write_text(json.dumps(document))
-    with pytest.raises(ValueError, match="expected a positive number"):
+    with pytest.raises(ValueError, match="needs a list of positive smoothing factors"):
         LLM(str(tiny_folder), calibration=str(tmp_path / "negative.json"), **args)
+    document["version"] = 1
+    (tmp_path / "version1.json").write_text(json.dumps(document))
+    with pytest.raises(ValueError, match="is version 1 .* `inferno calibrate"):
+        LLM(str(tiny_folder), calibration=str(tmp_path / "version1.json"), **args)
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         LLM(str(tiny_folder), calibration=str(tmp_path / "broken.json"), **args)

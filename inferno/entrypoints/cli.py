@@ -1,5 +1,5 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come; `inferno serve`;
-`inferno calibrate` (int8 activation thresholds for quantization w8a8)."""
+`inferno calibrate` (SmoothQuant factors for quantization w8a8)."""
 import argparse
 import json
 import logging
@@ -8,13 +8,13 @@ import uuid
 from dataclasses import MISSING, Field, fields
 from typing import get_args
 
-from inferno.config import (ATTENTION_BACKENDS, CALIBRATION_METHODS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES,
+from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES,
                             PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig,
                             SpeculativeConfig)
 from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
 from inferno.engine.input_processor import PromptType
 from inferno.engine.llm_engine import LLMEngine
-from inferno.entrypoints.llm import DEFAULT_SMOOTHING, LLM
+from inferno.entrypoints.llm import LLM
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.server.cli_args import add_server_args, server_config
 
@@ -42,7 +42,7 @@ ENGINE_FLAGS: dict[str, dict] = {
     "quantization": dict(short="-q", choices=[*QUANTIZATION_METHODS, "none"],
                          help="weights: auto runs a GGUF file's quantized blocks (or an AWQ / GPTQ folder's codes) "
                               "as stored; none dequantizes them to float; int8 / int4 quantize every projection; "
-                              "w8a8: int8 weights and activations with calibrated thresholds (default: auto)"),
+                              "w8a8: int8 weights and activations, calibrated smoothing (default: auto)"),
     "quantization_group_size": dict(choices=[*QUANTIZATION_GROUP_SIZES, PER_CHANNEL],
                                     help="input columns per scale and zero point; -1: per output channel (int8 only)"),
     "calibration": dict(help="w8a8: the activation calibration file written by `inferno calibrate` (default: the "
@@ -202,7 +202,7 @@ def run_calibrate(args: argparse.Namespace) -> None:
     llm = LLM(args.model, dtype="float32", quantization=None, kv_cache_memory=64 << 20, enforce_eager=True,
               num_threads=args.num_threads)
     try:
-        path = llm.calibrate(args.output, texts, args.method, args.smoothing)
+        path = llm.calibrate(args.output, texts, args.smoothing)
     finally:
         llm.llm_engine.shutdown()
     print(f"wrote {path}")
@@ -239,17 +239,15 @@ def main(argv: list[str] | None = None) -> None:
                        help="prompts shorter than this are computed on the decode instance, longer ones on a prefill "
                             "instance (default 512; 0: every prompt goes through a prefill instance)")
     proxy.set_defaults(func=run_proxy)
-    calibrate = commands.add_parser("calibrate", help="calibrate int8 activation thresholds for --quantization w8a8")
+    calibrate = commands.add_parser("calibrate", help="calibrate SmoothQuant factors for --quantization w8a8")
     calibrate.add_argument("model", nargs="?", default=None, help="GGUF file or Hugging Face folder (default: "
                                                                   "SmolLM2-135M-Instruct)")
-    calibrate.add_argument("--output", "-o", default=None, help="where to write the thresholds (JSON; default: "
+    calibrate.add_argument("--output", "-o", default=None, help="where to write the factors (JSON; default: "
                                                                "beside the model, where w8a8 looks for them)")
-    calibrate.add_argument("--method", choices=CALIBRATION_METHODS, default="entropy",
-                           help="entropy: the threshold minimising the KL divergence of the clipped, quantized "
-                                "inputs from the float ones (TensorRT's); absmax: the largest input seen")
-    calibrate.add_argument("--smoothing", type=float, default=DEFAULT_SMOOTHING,
-                           help="SmoothQuant migration strength alpha in [0, 1]: input channels are divided by "
-                                "max|x|^alpha / max|w|^(1-alpha) and weight columns multiplied by it (0: none)")
+    calibrate.add_argument("--smoothing", type=float, default=None,
+                           help="SmoothQuant migration strength alpha in [0, 1] for every projection: input channels "
+                                "are divided by max|x|^alpha / max|w|^(1-alpha) and weight columns multiplied by it "
+                                "(0: none; default: each projection type's own, tuned on SmolLM2)")
     calibrate.add_argument("--text-file", action="append", default=None,
                            help="UTF-8 text to calibrate on (repeatable; default: a built-in sample)")
     calibrate.add_argument("--num-threads", type=int, default=None)

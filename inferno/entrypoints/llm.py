@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from inferno.config import CALIBRATION_METHODS, EngineConfig
+from inferno.config import EngineConfig
 from inferno.entrypoints.calibration_text import CALIBRATION_TEXTS
 from inferno.engine.input_processor import ChatMessage, PromptType
 from inferno.engine.llm_engine import LLMEngine
@@ -16,7 +16,6 @@ from inferno.outputs import RequestOutput
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 
 CALIBRATION_SEQUENCE_TOKENS = 256  # calibration texts run as prefills of at most this many tokens
-DEFAULT_SMOOTHING = 0.5  # SmoothQuant's migration strength alpha
 
 
 class LLM:
@@ -71,15 +70,13 @@ class LLM:
         prompts = [render(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def calibrate(self, output: str | None = None, texts: Sequence[str] | None = None, method: str = "entropy",
-                  smoothing: float = DEFAULT_SMOOTHING) -> Path:
+    def calibrate(self, output: str | None = None, texts: Sequence[str] | None = None,
+                  smoothing: float | None = None) -> Path:
         """Calibrate every decoder projection of this (float) model for int8 activations on `texts` (default:
-        CALIBRATION_TEXTS): SmoothQuant factors with migration strength `smoothing` (0: none), then the clipping
-        threshold of the smoothed input by `method`. Writes them to `output` (default: beside the model), the file
-        `LLM(model, quantization="w8a8")` reads, and returns its path."""
-        if method not in CALIBRATION_METHODS:
-            raise ValueError(f"calibration method must be one of {list(CALIBRATION_METHODS)}, got {method!r}")
-        if not 0 <= smoothing <= 1:
+        CALIBRATION_TEXTS): SmoothQuant factors with migration strength `smoothing` (0: none; None: each projection
+        type's own). Writes them to `output` (default: beside the model), the file `LLM(model,
+        quantization="w8a8")` reads, and returns its path."""
+        if smoothing is not None and not 0 <= smoothing <= 1:
             raise ValueError(f"smoothing must be in [0, 1], got {smoothing}")
         tokenizer = self.get_tokenizer()
         sequences = [ids[start:start + CALIBRATION_SEQUENCE_TOKENS]
@@ -88,9 +85,9 @@ class LLM:
         if not sequences:
             raise ValueError("no calibration text")
         engine = self.llm_engine
-        layers = engine.executor.calibrate_activations(sequences, method, smoothing)
+        layers = engine.executor.calibrate_activations(sequences, smoothing)
         path = Path(output) if output else default_calibration_path(engine.model_path)
-        write_calibration(path, engine.model_config, method, smoothing, sum(map(len, sequences)), layers)
+        write_calibration(path, engine.model_config, smoothing, sum(map(len, sequences)), layers)
         return path
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

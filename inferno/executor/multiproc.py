@@ -103,7 +103,7 @@ class MultiprocExecutor:
         """Every rank runs the flat batches of `step` (no request states, no sampling); the logits, on rank 0."""
         return self._on_every_rank(step, self.model_runner.run_step)
 
-    def calibrate_activations(self, sequences: list[list[int]], method: str, alpha: float):
+    def calibrate_activations(self, sequences: list[list[int]], smoothing: float | None):
         raise ValueError("activation calibration runs on one process: use tensor_parallel_size and "
                          "pipeline_parallel_size 1")
 

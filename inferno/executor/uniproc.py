@@ -29,10 +29,9 @@ class UniProcExecutor:
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         return self.model_runner.run_step(step)
 
-    def calibrate_activations(self, sequences: list[list[int]], method: str, alpha: float) -> dict[str, dict]:
-        """Per decoder projection: smoothing factors and the clipping threshold of its int8 input
-        (worker/calibration.py)."""
-        return calibrate_activations(self.model_runner, sequences, method, alpha)
+    def calibrate_activations(self, sequences: list[list[int]], smoothing: float | None) -> dict[str, torch.Tensor]:
+        """Per decoder projection: its SmoothQuant factors (worker/calibration.py)."""
+        return calibrate_activations(self.model_runner, sequences, smoothing)
 
     def is_healthy(self) -> bool:
         return True

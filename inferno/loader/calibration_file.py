@@ -1,14 +1,15 @@
-"""Activation calibration files: per decoder projection, its SmoothQuant factors (one per input channel) and the
-clipping threshold of its smoothed int8 input (and that input's absmax), written by `inferno calibrate` beside the
-model and read when `quantization="w8a8"`. JSON:
+"""Activation calibration files: per decoder projection, its SmoothQuant factors (one per input channel), written
+by `inferno calibrate` beside the model and read when `quantization="w8a8"`. JSON:
 
-    {"format": "inferno-activation-calibration", "version": 1, "method": "entropy", "smoothing": 0.5,
-     "num_tokens": 512,
+    {"format": "inferno-activation-calibration", "version": 2, "smoothing": null, "num_tokens": 512,
      "model": {"architecture": "llama", "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536},
-     "layers": {"layers.0.self_attn.qkv_proj": {"threshold": 3.1, "absmax": 9.7, "smoothing": [0.8, ...]}, ...}}
+     "layers": {"layers.0.self_attn.qkv_proj": {"smoothing": [0.8, ...]}, ...}}
+
+"smoothing": the migration strength used for every layer, or null: each projection type's own (SMOOTHING in
+layers/activation_calibration.py). Version 1 files held static activation thresholds, which per-token scales
+replaced: they are refused with a request to calibrate again.
 """
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from inferno.config import ModelConfig
 
 FORMAT = "inferno-activation-calibration"
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +40,18 @@ def default_calibration_path(model_path: str) -> Path:
     return path / "activation_calibration.json" if path.is_dir() else path.with_name(path.name + ".calibration.json")
 
 
-def write_calibration(path: Path, config: ModelConfig, method: str, alpha: float, num_tokens: int,
-                      layers: dict[str, dict]) -> None:
-    """`layers`: per layer name, {"threshold", "absmax", "smoothing"} (ActivationRecorder.calibration)."""
-    document = {"format": FORMAT, "version": VERSION, "method": method, "smoothing": alpha, "num_tokens": num_tokens,
+def write_calibration(path: Path, config: ModelConfig, smoothing: float | None, num_tokens: int,
+                      layers: dict[str, torch.Tensor]) -> None:
+    """`layers`: per layer name, its SmoothQuant factors (ActivationRecorder.smoothing)."""
+    document = {"format": FORMAT, "version": VERSION, "smoothing": smoothing, "num_tokens": num_tokens,
                 "model": asdict(ModelShape.of(config)),
-                "layers": {name: {"threshold": entry["threshold"], "absmax": entry["absmax"],
-                                  "smoothing": [float(f"{s:.7g}") for s in entry["smoothing"]]}
-                           for name, entry in sorted(layers.items())}}
+                "layers": {name: {"smoothing": [float(f"{s:.7g}") for s in factors.tolist()]}
+                           for name, factors in sorted(layers.items())}}
     Path(path).write_text(json.dumps(document) + "\n")
 
 
-def read_calibration(path: Path, config: ModelConfig) -> dict[str, tuple[float, torch.Tensor]]:
-    """Layer name -> (threshold, smoothing factors), checked against the model's shape."""
+def read_calibration(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Layer name -> its smoothing factors, checked against the model's shape."""
     path = Path(path)
     hint = "write one with `inferno calibrate MODEL --output FILE`"
     if not path.is_file():
@@ -60,6 +60,9 @@ def read_calibration(path: Path, config: ModelConfig) -> dict[str, tuple[float, 
         document = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"calibration file {str(path)!r} is not valid JSON ({e}); {hint}") from None
+    if isinstance(document, dict) and document.get("format") == FORMAT and document.get("version") == 1:
+        raise ValueError(f"calibration file {str(path)!r} is version 1 (static activation thresholds), which "
+                         f"inferno no longer reads: activations are scaled per token now; {hint}")
     if not isinstance(document, dict) or document.get("format") != FORMAT or document.get("version") != VERSION:
         raise ValueError(f"{str(path)!r} is not an inferno activation calibration file (format {FORMAT!r}, "
                          f"version {VERSION}); {hint}")
@@ -69,13 +72,9 @@ def read_calibration(path: Path, config: ModelConfig) -> dict[str, tuple[float, 
                          f"this one is {shape}); {hint}")
     layers = {}
     for name, entry in document.get("layers", {}).items():
-        threshold = entry.get("threshold") if isinstance(entry, dict) else None
-        if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or threshold <= 0:
-            raise ValueError(f"calibration file {str(path)!r}: layer {name!r} has threshold {threshold!r}, "
-                             "expected a positive number")
-        smoothing = torch.tensor(entry.get("smoothing") or [], dtype=torch.float32)
-        if smoothing.dim() != 1 or not torch.all(torch.isfinite(smoothing) & (smoothing > 0)):
+        smoothing = torch.tensor(entry.get("smoothing") or [] if isinstance(entry, dict) else [], dtype=torch.float32)
+        if smoothing.dim() != 1 or smoothing.numel() == 0 or not torch.all(torch.isfinite(smoothing) & (smoothing > 0)):
             raise ValueError(f"calibration file {str(path)!r}: layer {name!r} needs a list of positive smoothing "
                              "factors, one per input feature")
-        layers[name] = (float(threshold), smoothing)
+        layers[name] = smoothing
     return layers

@@ -64,8 +64,8 @@ def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SI
     """The model, or with several ranks this rank's shard of it (see `LlamaForCausalLM`). `quantization`: None
     dequantizes every weight to float; "auto" runs a GGUF file's quantized blocks, or an AWQ / GPTQ folder's 4-bit
     codes, as they are (float checkpoints stay float); "int8" / "int4" (groups of `group_size`, int8 also
-    PER_CHANNEL) swap the projections for quantized layers; "w8a8" swaps them for int8 x int8 layers whose input
-    thresholds come from `calibration` (default: the file beside the model)."""
+    PER_CHANNEL) swap the projections for quantized layers; "w8a8" swaps them for int8 x int8 layers whose
+    SmoothQuant factors come from `calibration` (default: the file beside the model)."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
@@ -97,7 +97,7 @@ def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SI
 
 def build_model(config: ModelConfig, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor | Blocks]],
                 parallel: ParallelRank = SINGLE, quantization: str | None = None,
-                group_size: int = 32, calibrated: dict[str, tuple[float, torch.Tensor]] | None = None
+                group_size: int = 32, calibrated: dict[str, torch.Tensor] | None = None
                 ) -> LlamaForCausalLM:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -1,5 +1,5 @@
-"""Activation calibration on this rank's model: sample sequences run as prefills (twice: the inputs' range, then
-their histograms) with an ActivationRecorder on every decoder projection."""
+"""Activation calibration on this rank's model: sample sequences run as prefills with an ActivationRecorder on
+every decoder projection."""
 import torch
 
 from inferno.core.kv_blocks import cdiv
@@ -19,11 +19,10 @@ def prefill_step(token_ids: list[int], block_size: int) -> StepInput:
 
 
 @torch.inference_mode()
-def calibrate_activations(runner: ModelRunner, sequences: list[list[int]], method: str, alpha: float
-                          ) -> dict[str, dict]:
-    """Per decoder projection, by name, over the inputs of `sequences`: its smoothing factors (SmoothQuant's
-    `alpha`), the clipping threshold of its smoothed input (`method`) and that input's absmax
-    (ActivationRecorder.calibration)."""
+def calibrate_activations(runner: ModelRunner, sequences: list[list[int]], smoothing: float | None
+                          ) -> dict[str, torch.Tensor]:
+    """Per decoder projection, by name, its SmoothQuant factors over the inputs of `sequences` (migration strength
+    `smoothing`, or None: by projection type)."""
     linears = decoder_linears(runner.model)
     if not linears:
         raise ValueError("the model has no float projections to calibrate: load it with quantization=None "
@@ -38,9 +37,6 @@ def calibrate_activations(runner: ModelRunner, sequences: list[list[int]], metho
     try:
         for step in steps:
             runner.run_step(step)
-        recorder.start_histograms(alpha)
-        for step in steps:
-            runner.run_step(step)
-        return recorder.calibration(method)
+        return recorder.smoothing(smoothing)
     finally:
         recorder.remove()
