@@ -104,6 +104,11 @@ def q6_k_gemv():
     return torch.ops.inferno
 
 
+# ggml type number -> (values per block, bytes per block, values per Q8 group) of the types gguf_to_q8 reads
+BLOCK_SHAPES = {2: (32, 18, 32), 3: (32, 20, 32), 6: (32, 22, 32), 7: (32, 24, 32), 8: (32, 34, 32),
+                12: (256, 144, 32), 13: (256, 176, 32), 14: (256, 210, 16)}
+
+
 @functools.cache
 def gguf_repack():
     """The `torch.ops.inferno` namespace holding `gguf_to_int4` and `gguf_to_q8` (raw GGUF blocks -> the int4
@@ -122,7 +127,3 @@ def gguf_repack():
 
     return torch.ops.inferno
 
-
-# ggml type number -> (values per block, bytes per block, values per Q8 group) of the types gguf_to_q8 reads
-BLOCK_SHAPES = {2: (32, 18, 32), 3: (32, 20, 32), 6: (32, 22, 32), 7: (32, 24, 32), 8: (32, 34, 32),
-                12: (256, 144, 32), 13: (256, 176, 32), 14: (256, 210, 16)}

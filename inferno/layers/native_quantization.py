@@ -1,7 +1,8 @@
 """quantization="auto": a GGUF model computes with its own blocks, an AWQ / GPTQ model with its own 4-bit codes.
 Each projection whose blocks the loader repacked runs them (4-bit groups through `Int4Linear`, Q6_K super-blocks as
 stored through `Q6KLinear`, Q8 groups through `Q8Linear`), the token embedding stays quantized
-(`QuantizedEmbedding`, `Q6KEmbedding`) and a tied LM head reads the same codes; everything else stays float."""
+(`QuantizedEmbedding`, `Q6KEmbedding`) and a tied LM head reads the same codes (an untied embedding stays the
+file's blocks: `GGUFRowsEmbedding`); everything else stays float."""
 from dataclasses import dataclass
 
 import gguf
