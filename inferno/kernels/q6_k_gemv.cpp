@@ -90,8 +90,7 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
                              _mm512_add_epi32(lane_group, _mm512_set1_epi32(12))};
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = blocks + j * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + b), _MM_HINT_T0);
+    prefetch_ahead(row, row_bytes);
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < supers; ++s) {
@@ -140,8 +139,7 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
   const __m256i lane_group = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = blocks + j * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + b), _MM_HINT_T0);
+    prefetch_ahead(row, row_bytes);
     __m256 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < supers; ++s) {

@@ -233,7 +233,7 @@ void q8_rows(const int8_t* xq, const __m512i* starts, const __m512* x_scales, co
   for (int64_t j = begin; j < end; ++j) {
     const int8_t* c = codes + j * k;
     const float* s = scales + j * blocks;
-    for (int64_t b = 0; b < k; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + PREFETCH_BYTES + b), _MM_HINT_T0);
+    prefetch_ahead(c, k);
     _mm_prefetch(reinterpret_cast<const char*>(s + PREFETCH_BYTES / X_BLOCK), _MM_HINT_T0);
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -338,8 +338,7 @@ void int4_rows(const ChunkedRows& x, int64_t r0, __m512i pick, __m512i last_pick
   const int64_t per_group = group_size / X_BLOCK, row_bytes = int4_row_bytes(k, group_size);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = packed + j * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + b), _MM_HINT_T0);
+    prefetch_ahead(row, row_bytes);
     const uint16_t* d = reinterpret_cast<const uint16_t*>(row + k / 2);
     const uint16_t* mins = d + groups;
     __m512 acc[R];
@@ -454,8 +453,7 @@ void int4_rows(const LaneRows& x, int64_t r0, __m256i pick, const uint8_t* packe
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = packed + j * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + b), _MM_HINT_T0);
+    prefetch_ahead(row, row_bytes);
     const uint16_t* d = reinterpret_cast<const uint16_t*>(row + k / 2);
     const uint16_t* mins = d + groups;
     __m256 acc[R];
@@ -578,7 +576,7 @@ void q8_groups_rows(const int8_t* xq, const float* xs, const float* x_sums, Q8We
   for (int64_t j = begin; j < end; ++j) {
     const int8_t* c = wt.codes + j * k;
     const float* s = wt.scales + j * groups;
-    for (int64_t b = 0; b < k; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + PREFETCH_BYTES + b), _MM_HINT_T0);
+    prefetch_ahead(c, k);
     __m256 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
