@@ -6,9 +6,12 @@ import logging
 import os
 from pathlib import Path
 
+import gguf
 import torch
 
 from inferno.cpu_features import cpu_key
+
+T = gguf.GGMLQuantizationType
 
 logger = logging.getLogger("inferno")
 
@@ -104,9 +107,8 @@ def q6_k_gemv():
     return torch.ops.inferno
 
 
-# ggml type number -> (values per block, bytes per block, values per Q8 group) of the types gguf_to_q8 reads
-BLOCK_SHAPES = {2: (32, 18, 32), 3: (32, 20, 32), 6: (32, 22, 32), 7: (32, 24, 32), 8: (32, 34, 32),
-                12: (256, 144, 32), 13: (256, 176, 32), 14: (256, 210, 16)}
+# the types whose blocks carry a min: gguf_to_q8 returns their mins (an empty tensor for the others)
+Q8_WITH_MINS = {T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K}
 
 
 @functools.cache
@@ -118,12 +120,11 @@ def gguf_repack():
 
     @torch.library.register_fake("inferno::gguf_to_q8")
     def _(raw, qtype):  # shapes for torch.compile's tracing (an embedding converts the rows it looks up)
-        block_values, block_bytes, group = BLOCK_SHAPES[qtype]
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[T(qtype)]
         k = raw.shape[1] // block_bytes * block_values
-        mins = qtype in (3, 7, 12, 13)  # Q4_1, Q5_1, Q4_K, Q5_K
-        scales = raw.new_empty(raw.shape[0], k // group, dtype=torch.float)
+        scales = raw.new_empty(raw.shape[0], k // (16 if qtype == T.Q6_K else 32), dtype=torch.float)
         return (raw.new_empty(raw.shape[0], k, dtype=torch.int8), scales,
-                torch.empty_like(scales) if mins else raw.new_empty(0, dtype=torch.float))
+                torch.empty_like(scales) if qtype in Q8_WITH_MINS else raw.new_empty(0, dtype=torch.float))
 
     return torch.ops.inferno
 

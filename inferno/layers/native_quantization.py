@@ -9,11 +9,10 @@ import gguf
 import torch
 from torch import nn
 
+from inferno.kernels import Q8_WITH_MINS
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import GroupQuantized, Int4Linear, PackedInt4, Q8Groups, Q8Linear, ZeroPointInt4
 
-WITH_MINS = {gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_1,
-             gguf.GGMLQuantizationType.Q5_K}
 
 
 @dataclass
@@ -31,7 +30,7 @@ class GGUFRows:
         """These rows (all by default) as Q8 groups, exactly."""
         raw = self.raw if rows is None else self.raw[rows]
         codes, scales, mins = torch.ops.inferno.gguf_to_q8(raw, int(self.qtype))
-        return Q8Groups(codes, scales, mins if self.qtype in WITH_MINS else None)
+        return Q8Groups(codes, scales, mins if self.qtype in Q8_WITH_MINS else None)
 
     def dequantize(self) -> torch.Tensor:
         return self.q8_groups().dequantize()

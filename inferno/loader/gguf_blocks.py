@@ -20,8 +20,7 @@ import gguf
 import numpy as np
 import torch
 
-from inferno.kernels import gguf_repack
-from inferno.layers.native_quantization import WITH_MINS
+from inferno.kernels import Q8_WITH_MINS, gguf_repack
 from inferno.layers.q6_k import Q6KBlocks
 from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, pack_int4
 
@@ -178,7 +177,7 @@ def q8_groups(raw: Raw, qtype: T) -> Q8Groups:
     if ops is None or qtype not in Q8_TYPES:
         return q8_groups_reference(raw, qtype)
     codes, scales, mins = ops.gguf_to_q8(rows_of(raw), int(qtype))
-    return Q8Groups(codes, scales, mins if qtype in WITH_MINS else None)
+    return Q8Groups(codes, scales, mins if qtype in Q8_WITH_MINS else None)
 
 
 def q8_groups_reference(raw: Raw, qtype: T) -> Q8Groups:
