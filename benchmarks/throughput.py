@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from inferno import LLM, SamplingParams
+from inferno.cpu_features import cpu_flags
 from inferno.loader.tokenizer import Tokenizer
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
 
@@ -199,7 +200,9 @@ def machine_note(num_threads: int) -> str:
     if Path("/proc/cpuinfo").exists():
         names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
         cpu = names[0] if names else cpu
-    return (f"{os.cpu_count()} CPU cores ({cpu}), {num_threads} torch threads, torch {torch.__version__}, "
+    simd = sorted({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8"} & cpu_flags())
+    return (f"{os.cpu_count()} CPU cores ({cpu}; {', '.join(simd) or 'no AVX2'}), {num_threads} torch threads, "
+            f"torch {torch.__version__}, "
             f"transformers {transformers.__version__}"
             + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
             + "; shared machine, so compare engines within one run")
