@@ -23,7 +23,8 @@ import torch
 from inferno import LLM
 from inferno.engine.llm_engine import LLMEngine
 from inferno.layers.native_quantization import QuantizedEmbedding
-from inferno.layers.q6_k import Q6KEmbedding, Q6KLinear
+from inferno.layers.q6_k import Q6KEmbedding
+from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.loader import gguf as gguf_loader
 from inferno.request import Request
@@ -142,7 +143,7 @@ def native_types_only(types: tuple[str, ...] | None) -> Iterator[None]:
 
 
 def runs_natively(engine: LLMEngine) -> bool:
-    native = (Int4Linear, Q6KLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding)
+    native = (Int4Linear, SuperBlockLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding)
     return any(isinstance(m, native) for m in engine.model_runner.model.modules())
 
 

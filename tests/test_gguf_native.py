@@ -1,7 +1,6 @@
 """GGUF files run as stored (quantization="auto", the default): every block type loads through its native form
-(Q6_K as its super-blocks), which holds the file's weights bit-exactly (against `gguf.quants.dequantize`) except
-where stated (Q4_K in the int4 layout), and the model computes what the dequantized float model (quantization=None)
-computes."""
+(Q4_K and Q6_K as their super-blocks), which holds the file's weights bit-exactly (against
+`gguf.quants.dequantize`), and the model computes what the dequantized float model (quantization=None) computes."""
 import gguf
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from inferno.config import EngineConfig
 from inferno.cpu_features import has_native_bfloat16
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.layers.native_quantization import GGUFRowsEmbedding, QuantizedEmbedding
+from inferno.layers.q4_k import Q4KLinear
 from inferno.layers.q6_k import Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, q8_groups
@@ -27,13 +27,15 @@ PROMPT = list(range(40, 60))  # 20 byte tokens: decode-sized row counts run the 
 # (Q5_1), 0.0003 (Q4_K, Q5_K: larger logits), 0.056 (Q4_K_M-like); the default model 0.038.
 LOGIT_RELATIVE_TOLERANCE = 0.1
 MIN_MARGIN = 0.3  # the float model's top-2 logit gap from which the native model must pick the same token
-NATIVE_LAYERS = (Int4Linear, Q6KLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding, GGUFRowsEmbedding)
+NATIVE_LAYERS = (Int4Linear, Q4KLinear, Q6KLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding, GGUFRowsEmbedding)
 
 
 def native_kinds(qtype: T) -> tuple[type, type, type]:
     """The projection, token embedding and LM head layers a file of `qtype` loads into."""
     if qtype == T.Q6_K:
         return Q6KLinear, Q6KEmbedding, Q6KLinear
+    if qtype == T.Q4_K:
+        return Q4KLinear, QuantizedEmbedding, Q8Linear
     return Int4Linear if qtype in INT4_TYPES else Q8Linear, QuantizedEmbedding, Q8Linear
 
 
@@ -86,7 +88,7 @@ def models(llm: LLM) -> torch.nn.Module:
 
 def weight_of(layer: torch.nn.Module) -> torch.Tensor:
     """The float32 [N, K] weight a layer computes with."""
-    if isinstance(layer, (Int4Linear, Q6KLinear, Q8Linear)):
+    if isinstance(layer, (Int4Linear, Q4KLinear, Q6KLinear, Q8Linear)):
         return layer.dequantize()[:, :layer.in_features]
     if isinstance(layer, QuantizedEmbedding):
         return layer.q8_groups.dequantize()
@@ -95,18 +97,14 @@ def weight_of(layer: torch.nn.Module) -> torch.Tensor:
     return layer.weight.float()
 
 
-def assert_same_model(native: LLM, reference: LLM, prompt: list[int] = PROMPT, rounded_int4: bool = False) -> None:
-    """The native layers hold the float model's weights exactly (`rounded_int4`, Q4_K in Int4Linear: within float16
-    rounding), the logits agree within LOGIT_RELATIVE_TOLERANCE, and so do the most likely tokens wherever the float
-    model's top-2 margin exceeds MIN_MARGIN (prefill positions, then greedy decoding up to the first near-tie)."""
+def assert_same_model(native: LLM, reference: LLM, prompt: list[int] = PROMPT) -> None:
+    """The native layers hold the float model's weights exactly, the logits agree within LOGIT_RELATIVE_TOLERANCE,
+    and so do the most likely tokens wherever the float model's top-2 margin exceeds MIN_MARGIN (prefill positions,
+    then greedy decoding up to the first near-tie)."""
     ours, theirs = models(native), models(reference)
     for name, layer in ours.named_modules():
         if isinstance(layer, NATIVE_LAYERS):
-            expected = weight_of(theirs.get_submodule(name))
-            if rounded_int4 and isinstance(layer, Int4Linear):  # float16 scales and mins (exact bound: see above)
-                torch.testing.assert_close(weight_of(layer), expected, rtol=0, atol=2.0 ** -9 * expected.abs().max())
-            else:
-                assert torch.equal(weight_of(layer), expected), name
+            assert torch.equal(weight_of(layer), weight_of(theirs.get_submodule(name))), name
     native_logits = prefill_logits(native.llm_engine, prompt)
     float_logits = prefill_logits(reference.llm_engine, prompt)
     error = ((native_logits - float_logits).norm() / float_logits.norm()).item()
@@ -139,12 +137,12 @@ def test_every_type_runs_natively_and_matches_the_float_model(tmp_path, qtype):
     assert isinstance(model.embed_tokens, embedding_kind) and isinstance(model.lm_head, head_kind)
     codes = model.embed_tokens.blocks if qtype == T.Q6_K else model.embed_tokens.codes
     assert model.lm_head.weight.data_ptr() == codes.data_ptr()  # the tied head shares codes
-    assert_same_model(native, reference, rounded_int4=qtype == T.Q4_K)
+    assert_same_model(native, reference)
 
 
 def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
-    """Q/K as Q4_K and V as Q6_K: the fused qkv_proj becomes Q8 groups of 16 that hold all three exactly; the Q6_K
-    down_proj and LM head run as stored; the untied Q4_K embedding stays the file's blocks (rows converted on use)."""
+    """Q/K as Q4_K and V as Q6_K: the fused qkv_proj becomes Q8 groups of 16 that hold all three exactly; the Q4_K
+    gate/up, the Q6_K down_proj and LM head run as stored; the untied Q4_K embedding stays the file's blocks (rows converted on use)."""
     types = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
              "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "token_embd": T.Q4_K, "output": T.Q6_K}
     native, reference = native_and_float(write_tiny_gguf(tmp_path / "mixed.gguf", types, tied=False))
@@ -152,17 +150,17 @@ def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Q8Linear) and qkv.group_size == 16
     assert torch.equal(weight_of(qkv), weight_of(models(reference).layers[0].self_attn.qkv_proj))
-    assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Q4KLinear)
     assert isinstance(model.layers[0].mlp.down_proj, Q6KLinear)
     assert isinstance(model.lm_head, Q6KLinear)
     assert isinstance(model.embed_tokens, GGUFRowsEmbedding) and model.embed_tokens.qtype == T.Q4_K
-    assert_same_model(native, reference, rounded_int4=True)
+    assert_same_model(native, reference)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_llama_rotary_row_order_applies_to_native_blocks(tmp_path, qtype):
     native, reference = native_and_float(write_tiny_gguf(tmp_path / "llama.gguf", qtype, arch="llama"))
-    assert_same_model(native, reference, rounded_int4=qtype == T.Q4_K)
+    assert_same_model(native, reference)
 
 
 # the tiny MoE's experts: hidden 64, inner 32 (one block of 32 per row of down_proj)

@@ -107,6 +107,24 @@ def q6_k_gemv():
     return torch.ops.inferno
 
 
+@functools.cache
+def q4_k_gemv():
+    """The `torch.ops.inferno` namespace holding `q4_k_matmul` (rows quantized to int8 times GGUF Q4_K super-blocks
+    as stored) and `q4_k_dequantize` (to float32 / bfloat16, see q4_k_gemv.cpp), or None when they cannot be built."""
+    if not _build("inferno_q4_k_gemv", "q4_k_gemv.cpp", "using dequantize + F.linear"):
+        return None
+
+    @torch.library.register_fake("inferno::q4_k_matmul")
+    def _(x, blocks):  # shapes for torch.compile's tracing
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("inferno::q4_k_dequantize")
+    def _(blocks, dtype):
+        return blocks.new_empty(blocks.shape[0], blocks.shape[1] // 144 * 256, dtype=dtype)
+
+    return torch.ops.inferno
+
+
 # the types whose blocks carry a min: gguf_to_q8 returns their mins (an empty tensor for the others)
 Q8_WITH_MINS = {T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K}
 

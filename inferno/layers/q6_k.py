@@ -6,13 +6,13 @@ once and run a dense GEMM in COMPUTE_DTYPE."""
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inferno.kernels import q6_k_gemv
-from inferno.layers.quantization import AVX512_KERNELS, COMPUTE_DTYPE, Q8Groups
+from inferno.layers.quantization import AVX512_KERNELS, Q8Groups
+from inferno.layers.super_blocks import SuperBlockLinear, SuperBlocks
 
-QK_K, BLOCK_BYTES = 256, 210  # weights and bytes per super-block
+BLOCK_BYTES = 210  # per super-block
 # From this many rows the layer dequantizes its weight and runs the dense GEMM instead of the kernel. AVX-512 (bfloat16
 # GEMM), one thread, CPU time: the four projections of Qwen2.5-1.5B's layers as Q6_K (`python kernels.py
 # --projections qwen2.5-1.5b --kinds q6_k_blocks --rows 32 48 64 --cpu-time`) 1404 against 3091 ms per step at 32
@@ -23,25 +23,12 @@ Q6_K_DEQUANTIZE_FROM_ROWS = 64 if AVX512_KERNELS else 512
 
 
 @dataclass(slots=True)
-class Q6KBlocks:
+class Q6KBlocks(SuperBlocks):
     """A GGUF Q6_K tensor's rows of super-blocks as stored, uint8 [N, K / 256 * 210]. A super-block: ql[128] (the
     codes' 4 low bits), qh[64] (their 2 high bits), 16 int8 scales sc (one per group of 16), a float16 d;
-    w = d * sc * (q - 32). Rows are independent: permuting or stacking rows of `raw` permutes or stacks the
-    weight's rows."""
-    raw: torch.Tensor
-
+    w = d * sc * (q - 32)."""
+    BLOCK_BYTES = BLOCK_BYTES
     group_size = 16  # of the Q8 groups that hold the same weights (`q8_groups`)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES * QK_K
-
-    def map_rows(self, fn) -> "Q6KBlocks":
-        return Q6KBlocks(fn(self.raw))
-
-    @staticmethod
-    def cat(parts: list["Q6KBlocks"]) -> "Q6KBlocks":
-        return Q6KBlocks(torch.cat([p.raw for p in parts]))
 
     def q8_groups(self) -> Q8Groups:
         """The same weights as signed codes q - 32 with the float32 scale d * sc per group of 16 (exact)."""
@@ -64,35 +51,18 @@ class Q6KBlocks:
         return self.q8_groups().dequantize().to(dtype)
 
 
-class Q6KLinear(nn.Module):
-    """Q6_K super-blocks as stored (`Q6KBlocks`) times activations quantized to int8 per block of 32: the native
-    `inferno::q6_k_matmul` up to Q6_K_DEQUANTIZE_FROM_ROWS rows, dequantize-then-GEMM in COMPUTE_DTYPE beyond that
-    or without the native kernels."""
+class Q6KLinear(SuperBlockLinear):
+    """Q6_K super-blocks as stored (`Q6KBlocks`) through the native `inferno::q6_k_matmul` up to
+    Q6_K_DEQUANTIZE_FROM_ROWS rows (see `SuperBlockLinear`)."""
+    blocks_type = Q6KBlocks
+    dequantize_from_rows = Q6_K_DEQUANTIZE_FROM_ROWS
 
-    def __init__(self, weight: Q6KBlocks, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.raw.contiguous())
-        self.register_buffer("bias", bias)
-        self.native = q6_k_gemv() is not None
+    @staticmethod
+    def kernels():
+        return q6_k_gemv()
 
-    @property
-    def blocks(self) -> Q6KBlocks:
-        return Q6KBlocks(self.weight)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in `dtype`, computed in float32 and rounded once."""
-        return self.blocks.dequantize(dtype, self.native)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.native and x2.shape[0] < Q6_K_DEQUANTIZE_FROM_ROWS:
-            y = torch.ops.inferno.q6_k_matmul(x2.float().contiguous(), self.weight)
-        else:
-            y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
-        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.inferno.q6_k_matmul(x, self.weight)
 
 
 class Q6KEmbedding(nn.Module):

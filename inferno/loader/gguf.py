@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from inferno.config import ModelConfig
+from inferno.layers.q4_k import Q4KBlocks
 from inferno.layers.q6_k import Q6KBlocks
 from inferno.layers.quantization import GroupQuantized, Q8Groups
 from inferno.loader.gguf_architectures import (EXPERT_TENSORS, architecture_options, layer_tensor_overrides,
@@ -19,7 +20,7 @@ from inferno.loader.gguf_blocks import (INT4_TYPES, Q8_TYPES, Int4Blocks, int4_g
 from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 
 T = gguf.GGMLQuantizationType
-Blocks = GGUFRows | GroupQuantized | Int4Blocks | Q6KBlocks | Q8Groups  # quantized blocks in a kernel's form
+Blocks = GGUFRows | GroupQuantized | Int4Blocks | Q4KBlocks | Q6KBlocks | Q8Groups  # quantized blocks in a kernel's form
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "olmoe")
 
@@ -113,7 +114,7 @@ def has_quantized_tensors(gguf_file: GGUFFile) -> bool:
 
 def native_weight(tensor: GGUFTensor, name: str, native: str, tied: bool = True) -> Blocks | None:
     """The tensor's blocks in a form a kernel runs, or None where it is to become float. `native` "auto": every
-    quantized projection (4-bit types in the int4 layout, Q6_K as stored, the others as Q8 groups), the token
+    quantized projection (Q4_0 / Q4_1 in the int4 layout, Q4_K and Q6_K as stored, the others as Q8 groups), the token
     embedding and the LM head (Q6_K as stored, the others as Q8 groups, which hold every type exactly; an embedding
     not `tied` to the LM head as stored, its rows converted when looked up); "q4": only Q4_0 / Q4_1 projections
     (explicit int4 / int8 with groups of 32); "none": nothing."""
@@ -124,6 +125,8 @@ def native_weight(tensor: GGUFTensor, name: str, native: str, tied: bool = True)
         ("qkv_proj.weight", "gate_up_proj.weight"))  # Phi-3's fused ones are split as float
     if native == "q4":
         return int4_groups(tensor.data, qtype) if projection and qtype in Q4_LEGACY_TYPES else None
+    if projection and qtype == T.Q4_K:
+        return Q4KBlocks(rows_of(tensor.data))  # a view of the file's memory map, as Q6_K's
     if projection and qtype in INT4_TYPES:
         return int4_rows(tensor.data, qtype)
     if name == "model.embed_tokens.weight" and not tied and qtype in Q8_TYPES and gguf_repack() is not None:

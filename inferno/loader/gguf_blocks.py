@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from inferno.kernels import Q8_WITH_MINS, gguf_repack
+from inferno.layers.q4_k import Q4KBlocks
 from inferno.layers.q6_k import Q6KBlocks
 from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, pack_int4
 
@@ -186,13 +187,13 @@ def q8_groups_reference(raw: Raw, qtype: T) -> Q8Groups:
     return Q8Groups(codes.view(torch.int8) if codes.dtype == torch.uint8 else codes, scales, mins)
 
 
-def as_q8_groups(weight: GroupQuantized | Int4Blocks | Q6KBlocks | Q8Groups, group_size: int) -> Q8Groups:
+def as_q8_groups(weight: GroupQuantized | Int4Blocks | Q4KBlocks | Q6KBlocks | Q8Groups, group_size: int) -> Q8Groups:
     """A layer's weight in the common form of a fused layer whose shards differ: Q8Groups with groups of
     `group_size` (16 or 32; a group of 32 becomes two of 16 with the same scale and min). Exact."""
     if isinstance(weight, Int4Blocks):
         weight = weight.q8_groups()
-    if isinstance(weight, Q6KBlocks):
-        weight = q8_groups(weight.raw, T.Q6_K)
+    if isinstance(weight, (Q4KBlocks, Q6KBlocks)):
+        weight = q8_groups(weight.raw, T.Q4_K if isinstance(weight, Q4KBlocks) else T.Q6_K)
     if isinstance(weight, GroupQuantized):  # 4-bit codes fit int8 as they are
         weight = Q8Groups(weight.codes.view(torch.int8), weight.scales, weight.mins)
     repeat = weight.group_size // group_size

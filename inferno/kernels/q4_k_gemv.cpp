@@ -1,0 +1,291 @@
+// GGUF Q4_K weights run as stored (4.5 bits per weight), registered in the `inferno` namespace like
+// q6_k_gemv.cpp's operators:
+// 1. `q4_k_matmul`: the few rows of a decode step, quantized to int8 per block of 32 (QuantizedRows), times the
+//    weights' super-blocks, integer dot products per sub-block of 32;
+// 2. `q4_k_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill and large batches.
+//
+// A row of K weights is K / 256 super-blocks of 144 bytes: d and dmin (float16), 12 bytes of 6-bit scales sc_j and
+// mins m_j of its 8 sub-blocks of 32, then qs[128] (4-bit codes): sub-block 2i is the low nibbles of qs[32i ..
+// 32i + 31], sub-block 2i + 1 their high nibbles; w = (d sc_j) q - (dmin m_j), q in [0, 15]. A sub-block is one
+// block of x, so
+//   sum_k w x = sum_j (d sc_j) xs_j sum_{k in j} q xq - sum_j (dmin m_j) (xs_j sum_{k in j} xq)
+// with the integer sums exact and the second term on the rounded activations (QuantizedRows::sums), as the int4
+// kernel computes Q4_K's groups, but with d sc_j and dmin m_j exact in float32 (11 by 6 significant bits) where the
+// int4 layout rounds them to float16.
+// Built with -march=native: an AVX-512 VNNI path (64 weights, 2 sub-blocks per instruction), an AVX2 path (one
+// sub-block per vector, AVX-VNNI where the compiler defines it) and plain loops for anything else.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "quantized_rows.h"
+
+namespace {
+
+constexpr int64_t QK_K = 256;  // weights per super-block
+constexpr int64_t BLOCK_BYTES = 144;
+constexpr int64_t SUB_BLOCKS = 8;  // of 32 weights: one block of x each
+
+// The 8 sub-blocks' scales and mins: 6 bits each, packed as llama.cpp's get_scale_min_k4 reads them.
+inline void scales_and_mins(const uint8_t* blk, uint8_t* sc, uint8_t* mn) {
+  const uint8_t* p = blk + 4;
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = p[j] & 0x3F;
+    mn[j] = p[4 + j] & 0x3F;
+    sc[4 + j] = (p[8 + j] & 0x0F) | ((p[j] >> 2) & 0x30);
+    mn[4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30);
+  }
+}
+
+// The sub-block's 32 codes, in column order.
+inline void sub_block_codes(const uint8_t* blk, int64_t j, uint8_t* codes) {
+  const uint8_t* qs = blk + 16 + 32 * (j / 2);
+  for (int64_t i = 0; i < 32; ++i) codes[i] = j % 2 ? qs[i] >> 4 : qs[i] & 0x0F;
+}
+
+#if defined(__AVX2__)
+// The same unpacking four sub-blocks at a time: bytes 0-3 of the result are sc_0..3, 4-7 sc_4..7, 8-11 m_0..3 and
+// 12-15 m_4..7.
+inline __m128i packed_scales_and_mins(const uint8_t* blk) {
+  uint32_t u[3];
+  std::memcpy(u, blk + 4, sizeof(u));
+  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, bits45 = 0x30303030;
+  return _mm_setr_epi32(static_cast<int>(u[0] & low6), static_cast<int>((u[2] & low4) | ((u[0] >> 2) & bits45)),
+                        static_cast<int>(u[1] & low6),
+                        static_cast<int>(((u[2] >> 4) & low4) | ((u[1] >> 2) & bits45)));
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t ROW_BLOCK = 8;  // rows of x per pass over the weights
+
+// A 64-byte half of qs is two vectors of codes: its low nibbles (sub-blocks 4h and 4h + 2, 8 lanes each) and its
+// high nibbles (4h + 1, 4h + 3). Vector t of a super-block covers sub-blocks VECTOR_SUB_BLOCKS[t].
+constexpr int64_t VECTOR_SUB_BLOCKS[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+
+struct KernelRows {  // the rows of x in the vectors' order, per row and super-block:
+  std::vector<int8_t> codes;  // [M, K]: the blocks of x as the vectors pair them (0 2 1 3 4 6 5 7)
+  std::vector<float> lane_scales;  // [M, K / 4]: per lane of those vectors the xs of its block
+};
+
+KernelRows kernel_rows(const QuantizedRows& q, int64_t m, int64_t k) {
+  KernelRows x{std::vector<int8_t>(m * k), std::vector<float>(m * k / 4)};
+  for (int64_t s = 0; s < m * k / QK_K; ++s)
+    for (int64_t t = 0; t < 4; ++t)
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t b = s * SUB_BLOCKS + VECTOR_SUB_BLOCKS[t][half], at = s * QK_K + 64 * t + 32 * half;
+        std::memcpy(&x.codes[at], &q.codes[b * X_BLOCK], X_BLOCK);
+        std::fill_n(&x.lane_scales[at / 4], 8, q.scales[b]);
+      }
+  return x;
+}
+
+// Output rows [begin, end) for R rows of x (from row r0). Per super-block the scales d sc_j and mins dmin m_j are
+// converted at once (a vector of 16) and spread to the vectors' lanes by permutations; per row of x, a VNNI
+// instruction and one float multiply-add per vector, and the mins' term on 8 lanes.
+template <int64_t R>
+void q4_k_rows(const KernelRows& x, const QuantizedRows& q, int64_t r0, const uint8_t* blocks, float* y, int64_t n,
+               int64_t k, int64_t begin, int64_t end) {
+  const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i d_or_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512i spread[4];  // vector t's lanes: the scale of sub-block VECTOR_SUB_BLOCKS[t][lane / 8]
+  for (int64_t t = 0; t < 4; ++t)
+    spread[t] = _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(VECTOR_SUB_BLOCKS[t][0])),
+                                   _mm256_set1_epi32(static_cast<int>(VECTOR_SUB_BLOCKS[t][1])), 1);
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = blocks + j * row_bytes;
+    prefetch_ahead(row, row_bytes);
+    __m512 acc[R];
+    __m256 min_acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), min_acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* blk = row + s * BLOCK_BYTES;
+      int32_t d_dmin;
+      std::memcpy(&d_dmin, blk, sizeof(d_dmin));
+      const __m512 factors = _mm512_permutexvar_ps(d_or_dmin, _mm512_cvtph_ps(_mm256_set1_epi32(d_dmin)));
+      // lanes 0-7: d sc_j, lanes 8-15: dmin m_j
+      const __m512 scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed_scales_and_mins(blk))),
+                                          factors);
+      const __m256 mins = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(scales), 1));
+      const __m512i qs0 = _mm512_loadu_si512(blk + 16), qs1 = _mm512_loadu_si512(blk + 80);
+      const __m512i w[4] = {_mm512_and_si512(qs0, low4), _mm512_and_si512(_mm512_srli_epi16(qs0, 4), low4),
+                            _mm512_and_si512(qs1, low4), _mm512_and_si512(_mm512_srli_epi16(qs1, 4), low4)};
+      __m512 w_scales[4];
+      for (int64_t t = 0; t < 4; ++t) w_scales[t] = _mm512_permutexvar_ps(spread[t], scales);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * k + s * QK_K;
+        const int8_t* xc = x.codes.data() + at;
+        const float* xs = x.lane_scales.data() + at / 4;
+#pragma GCC unroll 4
+        for (int64_t t = 0; t < 4; ++t) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[t], _mm512_loadu_si512(xc + 64 * t));
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(xs + 16 * t)), w_scales[t],
+                                   acc[r]);
+        }
+        min_acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(q.sums.data() + at / X_BLOCK), min_acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      y[r * n + j] = _mm512_reduce_add_ps(acc[r]) - sum_lanes256(min_acc[r]);
+  }
+}
+
+void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
+  const KernelRows x = kernel_rows(q, m, k);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      q4_k_rows<decltype(rows)::value>(x, q, r, blocks, y + r * n, n, k, begin, end);
+    });
+  });
+}
+#elif defined(__AVX2__)
+constexpr int64_t ROW_BLOCK = AVX2_ROW_BLOCK;
+
+// sum of 4 products per int32 lane of unsigned 4-bit codes w and signed int8 x
+inline __m256i lane_dots(__m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else  // pairs of products fit 16 bits: 2 * 15 * 127 < 2^15
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// The lane sums of 8 vectors, one per sub-block, as one vector of 8 (sub-block order).
+inline __m256i sub_block_sums(const __m256i (&d)[SUB_BLOCKS]) {
+  const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+// A vector of 32 codes per sub-block (x in column order, no preparation); per row of x and super-block the 8
+// integer sums are gathered into one vector for a single float multiply-add, the mins' term into another.
+template <int64_t R>
+void q4_k_rows(const QuantizedRows& q, int64_t r0, const uint8_t* blocks, float* y, int64_t n, int64_t k,
+               int64_t begin, int64_t end) {
+  const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = blocks + j * row_bytes;
+    prefetch_ahead(row, row_bytes);
+    __m256 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* blk = row + s * BLOCK_BYTES;
+      const __m128i packed = packed_scales_and_mins(blk);
+      const __m256 w_scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)),
+                                            _mm256_set1_ps(half_at(blk)));
+      const __m256 w_mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))),
+                                          _mm256_set1_ps(half_at(blk + 2)));
+      __m256i w[SUB_BLOCKS];
+      for (int64_t i = 0; i < 4; ++i) {
+        const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * i));
+        w[2 * i] = _mm256_and_si256(qs, low4);
+        w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * k + s * QK_K;
+        __m256i dots[SUB_BLOCKS];
+        for (int64_t b = 0; b < SUB_BLOCKS; ++b)
+          dots[b] = lane_dots(w[b], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.codes.data() + at + 32 * b)));
+        const __m256 xs = _mm256_loadu_ps(q.scales.data() + at / X_BLOCK);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sub_block_sums(dots)), _mm256_mul_ps(w_scales, xs), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(w_mins, _mm256_loadu_ps(q.sums.data() + at / X_BLOCK), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes256(acc[r]);
+  }
+}
+
+void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      q4_k_rows<decltype(rows)::value>(q, r, blocks, y + r * n, n, k, begin, end);
+    });
+  });
+}
+#else  // the same sums, left to the compiler
+void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    uint8_t codes[X_BLOCK], sc[SUB_BLOCKS], mn[SUB_BLOCKS];
+    std::vector<float> acc(m);
+    for (int64_t j = begin; j < end; ++j) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = 0; s < supers; ++s) {
+        const uint8_t* blk = blocks + j * row_bytes + s * BLOCK_BYTES;
+        scales_and_mins(blk, sc, mn);
+        const float d = half_at(blk), dmin = half_at(blk + 2);
+        for (int64_t b = 0; b < SUB_BLOCKS; ++b) {
+          sub_block_codes(blk, b, codes);
+          const float scale = d * static_cast<float>(sc[b]), min = dmin * static_cast<float>(mn[b]);
+          for (int64_t r = 0; r < m; ++r) {
+            const int64_t xb = (r * k + s * QK_K) / X_BLOCK + b;
+            int32_t dot = 0;
+            for (int64_t i = 0; i < X_BLOCK; ++i) dot += int32_t{codes[i]} * int32_t{q.codes[xb * X_BLOCK + i]};
+            acc[r] += static_cast<float>(dot) * scale * q.scales[xb] - min * q.sums[xb];
+          }
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) y[r * n + j] = acc[r];
+    }
+  });
+}
+#endif
+
+void check_blocks(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+              blocks.size(1) % BLOCK_BYTES == 0,
+              "blocks must be contiguous uint8 [N, K / 256 * 144] (Q4_K super-blocks), got ", blocks.scalar_type(),
+              " ", blocks.sizes());
+}
+
+// x [M, K] float32; blocks [N, K / 256 * 144] uint8 -> [M, N] float32
+at::Tensor q4_k_matmul(const at::Tensor& x, const at::Tensor& blocks) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  check_blocks(blocks);
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  TORCH_CHECK(k % QK_K == 0 && blocks.size(1) == k / QK_K * BLOCK_BYTES, "x has ", k, " columns but the blocks hold ",
+              blocks.size(1) / BLOCK_BYTES * QK_K);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  q4_k_matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k);
+  return y;
+}
+
+// blocks [N, K / 256 * 144] uint8 -> W [N, K], w = (d * sc) * q - (dmin * m) in float32 (as gguf.quants.dequantize
+// computes it), rounded once to `dtype`
+at::Tensor q4_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
+  check_blocks(blocks);
+  const int64_t n = blocks.size(0), supers = blocks.size(1) / BLOCK_BYTES, k = supers * QK_K;
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  return dequantized(n, k, dtype, blocks.options(), [&](auto* wp) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      uint8_t codes[X_BLOCK], sc[SUB_BLOCKS], mn[SUB_BLOCKS];
+      for (int64_t j = begin; j < end; ++j)
+        for (int64_t s = 0; s < supers; ++s) {
+          const uint8_t* blk = bp + (j * supers + s) * BLOCK_BYTES;
+          scales_and_mins(blk, sc, mn);
+          const float d = half_at(blk), dmin = half_at(blk + 2);
+          for (int64_t b = 0; b < SUB_BLOCKS; ++b) {
+            sub_block_codes(blk, b, codes);
+            const float scale = d * static_cast<float>(sc[b]), min = dmin * static_cast<float>(mn[b]);
+            auto* out = wp + j * k + s * QK_K + b * X_BLOCK;
+#pragma omp simd
+            for (int64_t i = 0; i < X_BLOCK; ++i) store(out + i, scale * static_cast<float>(codes[i]) - min);
+          }
+        }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferno, m) {
+  m.def("q4_k_matmul(Tensor x, Tensor blocks) -> Tensor");
+  m.def("q4_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(inferno, CPU, m) {
+  m.impl("q4_k_matmul", &q4_k_matmul);
+  m.impl("q4_k_dequantize", &q4_k_dequantize);
+}

@@ -1,0 +1,48 @@
+"""GGUF Q4_K weights run as stored: super-blocks of 256 weights in 144 bytes (4.5 bits per weight), the bytes a
+decode step reads, with no repacking at load (the int4 layout took 5 bits per weight and rounded d * sc and
+dmin * m to float16). Decode-sized batches run the native `inferno::q4_k_matmul` (kernels/q4_k_gemv.cpp), larger
+ones dequantize the weight once and run a dense GEMM (`SuperBlockLinear`)."""
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from inferno.kernels import q4_k_gemv
+from inferno.layers.quantization import AVX512_KERNELS
+from inferno.layers.super_blocks import SuperBlockLinear, SuperBlocks
+
+# From this many rows the layer dequantizes its weight and runs the dense GEMM instead of the kernel: AVX-512
+# (bfloat16 GEMM) the int4 layout's crossover, AVX2 (float32 GEMM) Q6_K's.
+Q4_K_DEQUANTIZE_FROM_ROWS = 96 if AVX512_KERNELS else 512
+
+
+@dataclass(slots=True)
+class Q4KBlocks(SuperBlocks):
+    """A GGUF Q4_K tensor's rows of super-blocks as stored, uint8 [N, K / 256 * 144]. A super-block: float16 d and
+    dmin, 12 bytes of 6-bit scales sc_j and mins m_j of its 8 sub-blocks of 32, 128 bytes of 4-bit codes q;
+    w = (d * sc_j) * q - dmin * m_j."""
+    BLOCK_BYTES = 144
+    group_size = 32  # of the Q8 groups that hold the same weights (a sub-block: its scale and min)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, native: bool = True) -> torch.Tensor:
+        """[N, K] in `dtype` as `gguf.quants.dequantize` computes it (float32), rounded once; by the native operator
+        when it is built (and `native`), else by `gguf.quants.dequantize` itself."""
+        if native and q4_k_gemv() is not None and dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.inferno.q4_k_dequantize(self.raw.contiguous(), dtype)
+        w = gguf.quants.dequantize(self.raw.numpy(), gguf.GGMLQuantizationType.Q4_K)
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
+
+
+class Q4KLinear(SuperBlockLinear):
+    """Q4_K super-blocks as stored (`Q4KBlocks`) through the native `inferno::q4_k_matmul` up to
+    Q4_K_DEQUANTIZE_FROM_ROWS rows (see `SuperBlockLinear`)."""
+    blocks_type = Q4KBlocks
+    dequantize_from_rows = Q4_K_DEQUANTIZE_FROM_ROWS
+
+    @staticmethod
+    def kernels():
+        return q4_k_gemv()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.inferno.q4_k_matmul(x, self.weight)

@@ -1,0 +1,80 @@
+"""GGUF K-quant super-blocks run as stored (256 weights each, the bytes a decode step reads): what the Q4_K and Q6_K
+layers (layers/q4_k.py, layers/q6_k.py) share. Decode-sized batches run the type's native matmul operator
+(activations quantized to int8 per block of 32, integer dot products, as llama.cpp computes); larger ones
+dequantize the weight once and run a dense GEMM in COMPUTE_DTYPE."""
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferno.layers.quantization import COMPUTE_DTYPE
+
+QK_K = 256  # weights per super-block
+
+
+@dataclass(slots=True)
+class SuperBlocks:
+    """A GGUF K-quant tensor's rows of super-blocks as stored, uint8 [N, K / 256 * BLOCK_BYTES]. Rows are
+    independent: permuting or stacking rows of `raw` permutes or stacks the weight's rows."""
+    raw: torch.Tensor
+
+    BLOCK_BYTES: ClassVar[int]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.raw.shape[1] // self.BLOCK_BYTES * QK_K
+
+    def map_rows(self, fn) -> "SuperBlocks":
+        return type(self)(fn(self.raw))
+
+    @classmethod
+    def cat(cls, parts: list["SuperBlocks"]) -> "SuperBlocks":
+        return cls(torch.cat([p.raw for p in parts]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, native: bool = True) -> torch.Tensor:
+        """[N, K] in `dtype`, as `gguf.quants.dequantize` computes it in float32, rounded once."""
+        raise NotImplementedError
+
+
+class SuperBlockLinear(nn.Module):
+    """`SuperBlocks` as stored times activations quantized to int8 per block of 32: the native `matmul` operator up
+    to `dequantize_from_rows` rows, dequantize-then-GEMM in COMPUTE_DTYPE beyond that or without the native
+    kernels."""
+    blocks_type: ClassVar[type[SuperBlocks]]
+    dequantize_from_rows: ClassVar[int]
+
+    def __init__(self, weight: SuperBlocks, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.raw.contiguous())
+        self.register_buffer("bias", bias)
+        self.native = self.kernels() is not None
+
+    @staticmethod
+    def kernels():
+        """The namespace of the native operators, or None when they cannot be built."""
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous -> [M, N] float32 by the native operator."""
+        raise NotImplementedError
+
+    @property
+    def blocks(self) -> SuperBlocks:
+        return self.blocks_type(self.weight)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`, computed in float32 and rounded once."""
+        return self.blocks.dequantize(dtype, self.native)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.native and x2.shape[0] < self.dequantize_from_rows:
+            y = self.matmul(x2.float().contiguous())
+        else:
+            y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,151 @@
+"""GGUF Q4_K run as stored (layers/q4_k.py, kernels/q4_k_gemv.cpp): the super-blocks hold the file's weights bit
+for bit (no repack at load), the kernel computes the float sums of the int8-rounded rows on every path this CPU can
+run (the -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized
+weight for decode-sized and large batches."""
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from inferno.cpu_features import cpu_key
+from inferno.kernels import q4_k_gemv
+from inferno.layers import q4_k
+from inferno.layers.q4_k import Q4KBlocks, Q4KLinear
+from test_kernels import assert_close_to, quantize_rows_like_q8
+from tiny_gguf import T, random_blocks
+
+needs_kernel = pytest.mark.skipif(q4_k_gemv() is None, reason="no C++ compiler for the native kernels")
+# float16 d / dmin at the ends of their range (largest, smallest subnormal, negative, zero) and ordinary ones
+EXTREME_D = np.array([65504, -65504, 6e-8, -6e-8, 0, 1e-3, -0.5, 2.0], dtype=np.float16)
+
+
+def random_q4_k(n: int, k: int, seed: int, extreme: bool = False) -> np.ndarray:
+    """Valid Q4_K rows [n, k / 256 * 144]: random codes, 6-bit scales and mins (every byte pattern is data) with
+    small d and dmin; `extreme`: every scale and min 63 in the first row, d and dmin from EXTREME_D, all codes 0 or
+    15 in two rows."""
+    raw = random_blocks(T.Q4_K, n, k, np.random.default_rng(seed))
+    if extreme:
+        blocks = raw.reshape(n, -1, 144)
+        blocks[0, :, 4:16] = 0xFF  # sc = m = 63 for all 8 sub-blocks
+        count = blocks.shape[0] * blocks.shape[1]
+        d = EXTREME_D[np.arange(count) % len(EXTREME_D)]
+        dmin = EXTREME_D[(np.arange(count) + 3) % len(EXTREME_D)]
+        blocks[..., 0:2] = d.view(np.uint8).reshape(n, -1, 2)
+        blocks[..., 2:4] = dmin.view(np.uint8).reshape(n, -1, 2)
+        blocks[1, :, 16:] = 0  # q = 0: w = -dmin m
+        blocks[2, :, 16:] = 0xFF  # q = 15
+    return raw
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "gguf"])
+@pytest.mark.parametrize("extreme", [False, True], ids=["random", "extreme"])
+def test_blocks_dequantize_bit_exactly_like_gguf(native, extreme):
+    if native and q4_k_gemv() is None:
+        pytest.skip("no C++ compiler for the native kernels")
+    raw = random_q4_k(9, 1792, seed=extreme, extreme=extreme)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K))
+    blocks = Q4KBlocks(torch.from_numpy(raw))
+    assert blocks.shape == (9, 1792)
+    assert torch.equal(blocks.dequantize(native=native), expected)
+    assert torch.equal(blocks.dequantize(torch.bfloat16, native=native), expected.bfloat16())
+
+
+def kernel_reference(x: torch.Tensor, raw: np.ndarray) -> torch.Tensor:
+    """The sums the kernel promises: the int8-rounded rows times the exact weights, in float64."""
+    w = torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)).double()
+    return quantize_rows_like_q8(x).double() @ w.t()
+
+
+def kernel_inputs(m: int, n: int, k: int) -> tuple[torch.Tensor, np.ndarray]:
+    raw = random_q4_k(n, k, seed=m * k + n, extreme=True)
+    blocks = raw.reshape(n, -1, 144)
+    blocks[..., 0:4] = np.array([2e-3, 1e-3], dtype=np.float16).view(np.uint8)  # extreme codes and scales, ordinary d
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[0, 32:64] = 0  # an all-zero block has scale 0
+    x[-1, :64] = 3.0  # activation codes 127 against codes 0 / 15 and scales / mins 63
+    return x, raw
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("k", [256, 512, 1792, 8960])  # 1, 2, 7 super-blocks; Qwen2.5-1.5B's ffn_down
+def test_kernel_matches_float_sums_of_the_quantized_rows(m, k):
+    x, raw = kernel_inputs(m, 37, k)  # 37 output rows: no whole thread chunk of 16
+    y = torch.ops.inferno.q4_k_matmul(x, torch.from_numpy(raw))
+    assert_close_to(y, kernel_reference(x, raw))
+
+
+# Run in a fresh process: the operators of one build per process. The argument: a path for the inputs and results.
+NARROW_BUILD = """
+import sys, torch
+from torch.utils import cpp_extension
+name, source, flags, data = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4]
+cpp_extension.load(name=name, sources=[source], extra_cflags=["-O3", "-march=native", *flags, "-fopenmp"],
+                   extra_ldflags=["-fopenmp"], is_python_module=False)
+xs, blocks = torch.load(data)
+ys = [torch.ops.inferno.q4_k_matmul(x, blocks) for x in xs]
+torch.save((ys, torch.ops.inferno.q4_k_dequantize(blocks, torch.float32)), data)
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
+                         ids=["avx2", "avx2-without-vnni", "plain"])
+def test_narrower_builds_compute_the_same_sums(tmp_path, flags):
+    """The AVX2 path (with AVX-VNNI where this CPU has it, and without: the maddubs sums of most AVX2 CPUs) and the
+    plain loops, built on this CPU without the instructions they must not use (the first build takes about half a
+    minute; later runs reuse it)."""
+    k = 1792
+    xs_raws = [kernel_inputs(m, 37, k) for m in (1, 3, 5)]
+    raw = xs_raws[0][1]
+    xs = [x for x, _ in xs_raws]
+    data = tmp_path / "data.pt"
+    torch.save((xs, torch.from_numpy(raw)), data)
+    name = f"inferno_q4_k_gemv_{flags.replace('-mno-', '_no_').replace(' ', '')}_{cpu_key()}"
+    source = str(q4_k.__file__).replace("layers/q4_k.py", "kernels/q4_k_gemv.cpp")
+    subprocess.run([sys.executable, "-c", NARROW_BUILD, name, source, flags, str(data)], check=True)
+    ys, w = torch.load(data)
+    assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)))
+    for x, y in zip(xs, ys):
+        assert_close_to(y, kernel_reference(x, raw))
+
+
+@pytest.mark.parametrize("rows", [1, 6, q4_k.Q4_K_DEQUANTIZE_FROM_ROWS + 1])  # the last: dense GEMM
+@pytest.mark.parametrize("native", [True, False], ids=["native", "pytorch"])
+def test_linear_matches_its_dequantized_weight(rows, native):
+    raw = random_q4_k(200, 512, seed=rows)
+    layer = Q4KLinear(Q4KBlocks(torch.from_numpy(raw)), bias=torch.randn(200))
+    if not native:
+        layer.native = False
+    elif not layer.native:
+        pytest.skip("no C++ compiler for the native kernels")
+    assert (layer.in_features, layer.out_features) == (512, 200)
+    x = torch.randn(2, rows, 512)
+    ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)).t() + layer.bias
+    y = layer(x)
+    assert y.shape == (2, rows, 200) and y.dtype == torch.float32
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations (or COMPUTE_DTYPE)
+
+
+def test_rows_permute_and_stack_like_the_weights():
+    a, b = random_q4_k(8, 512, seed=1), random_q4_k(5, 512, seed=2)
+    order = torch.tensor([3, 0, 7, 1, 6, 2, 5, 4])
+    both = Q4KBlocks.cat([Q4KBlocks(torch.from_numpy(a)).map_rows(lambda t: t[order]), Q4KBlocks(torch.from_numpy(b))])
+    expected = np.concatenate([gguf.quants.dequantize(a, T.Q4_K)[order.numpy()], gguf.quants.dequantize(b, T.Q4_K)])
+    assert isinstance(both, Q4KBlocks) and both.shape == (13, 512)
+    assert np.array_equal(both.dequantize().numpy(), expected)
+
+
+@needs_kernel
+def test_kernel_rejects_bad_inputs():
+    blocks = torch.from_numpy(random_q4_k(4, 512, seed=0))
+    with pytest.raises(RuntimeError, match="x has 256 columns but the blocks hold 512"):
+        torch.ops.inferno.q4_k_matmul(torch.randn(2, 256), blocks)
+    with pytest.raises(RuntimeError, match="Q4_K super-blocks"):
+        torch.ops.inferno.q4_k_matmul(torch.randn(2, 512), blocks[:, :200].contiguous())
+    with pytest.raises(RuntimeError, match="x must be 2-D, float32"):
+        torch.ops.inferno.q4_k_matmul(torch.randn(2, 512).double(), blocks)
+    assert torch.ops.inferno.q4_k_matmul(torch.randn(0, 512), blocks).shape == (0, 4)
