@@ -134,8 +134,8 @@ def native_types_only(types: tuple[str, ...] | None) -> Iterator[None]:
         yield
         return
     native_weight = gguf_loader.native_weight
-    gguf_loader.native_weight = lambda tensor, name, native: (
-        native_weight(tensor, name, native) if tensor.tensor_type.name in types else None)
+    gguf_loader.native_weight = lambda tensor, name, native, tied=True: (
+        native_weight(tensor, name, native, tied) if tensor.tensor_type.name in types else None)
     try:
         yield
     finally:

@@ -15,9 +15,10 @@ from inferno.layers.native_quantization import GGUFRowsEmbedding, QuantizedEmbed
 from inferno.layers.q4_k import Q4KLinear
 from inferno.layers.q6_k import Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import Int4Linear, Q8Linear
+from inferno.layers.super_blocks import ShardedLinear
 from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, q8_groups
 from inferno.loader.model_loader import load_model
-from tiny_gguf import T, random_blocks, write_tiny_gguf
+from tiny_gguf import HEADS, HIDDEN, KV_HEADS, T, random_blocks, write_tiny_gguf
 from tiny_models import write_gguf, write_hf_model
 
 PROMPT = list(range(40, 60))  # 20 byte tokens: decode-sized row counts run the native kernels
@@ -27,7 +28,8 @@ PROMPT = list(range(40, 60))  # 20 byte tokens: decode-sized row counts run the 
 # (Q5_1), 0.0003 (Q4_K, Q5_K: larger logits), 0.056 (Q4_K_M-like); the default model 0.038.
 LOGIT_RELATIVE_TOLERANCE = 0.1
 MIN_MARGIN = 0.3  # the float model's top-2 logit gap from which the native model must pick the same token
-NATIVE_LAYERS = (Int4Linear, Q4KLinear, Q6KLinear, Q8Linear, QuantizedEmbedding, Q6KEmbedding, GGUFRowsEmbedding)
+NATIVE_LAYERS = (Int4Linear, Q4KLinear, Q6KLinear, Q8Linear, ShardedLinear, QuantizedEmbedding, Q6KEmbedding,
+                 GGUFRowsEmbedding)
 
 
 def native_kinds(qtype: T) -> tuple[type, type, type]:
@@ -88,7 +90,7 @@ def models(llm: LLM) -> torch.nn.Module:
 
 def weight_of(layer: torch.nn.Module) -> torch.Tensor:
     """The float32 [N, K] weight a layer computes with."""
-    if isinstance(layer, (Int4Linear, Q4KLinear, Q6KLinear, Q8Linear)):
+    if isinstance(layer, (Int4Linear, Q4KLinear, Q6KLinear, Q8Linear, ShardedLinear)):
         return layer.dequantize()[:, :layer.in_features]
     if isinstance(layer, QuantizedEmbedding):
         return layer.q8_groups.dequantize()
@@ -103,7 +105,7 @@ def assert_same_model(native: LLM, reference: LLM, prompt: list[int] = PROMPT) -
     then greedy decoding up to the first near-tie)."""
     ours, theirs = models(native), models(reference)
     for name, layer in ours.named_modules():
-        if isinstance(layer, NATIVE_LAYERS):
+        if isinstance(layer, NATIVE_LAYERS) and ".parts." not in name:  # a ShardedLinear compares whole
             assert torch.equal(weight_of(layer), weight_of(theirs.get_submodule(name))), name
     native_logits = prefill_logits(native.llm_engine, prompt)
     float_logits = prefill_logits(reference.llm_engine, prompt)
@@ -141,14 +143,16 @@ def test_every_type_runs_natively_and_matches_the_float_model(tmp_path, qtype):
 
 
 def test_q4_k_m_like_file_fuses_mixed_shards_in_one_exact_form(tmp_path):
-    """Q/K as Q4_K and V as Q6_K: the fused qkv_proj becomes Q8 groups of 16 that hold all three exactly; the Q4_K
-    gate/up, the Q6_K down_proj and LM head run as stored; the untied Q4_K embedding stays the file's blocks (rows converted on use)."""
+    """Q/K as Q4_K and V as Q6_K: the fused qkv_proj keeps both types as stored (one kernel for Q/K stacked, one for
+    V); the Q4_K gate/up, the Q6_K down_proj and LM head run as stored; the untied Q4_K embedding stays the file's blocks (rows converted on use)."""
     types = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
              "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "token_embd": T.Q4_K, "output": T.Q6_K}
     native, reference = native_and_float(write_tiny_gguf(tmp_path / "mixed.gguf", types, tied=False))
     model = models(native)
     qkv = model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, Q8Linear) and qkv.group_size == 16
+    assert isinstance(qkv, ShardedLinear) and [type(p) for p in qkv.parts] == [Q4KLinear, Q6KLinear]
+    kv_rows = KV_HEADS * HIDDEN // HEADS
+    assert (qkv.parts[0].out_features, qkv.parts[1].out_features) == (HIDDEN + kv_rows, kv_rows)  # q and k, v
     assert torch.equal(weight_of(qkv), weight_of(models(reference).layers[0].self_attn.qkv_proj))
     assert isinstance(model.layers[0].mlp.gate_up_proj, Q4KLinear)
     assert isinstance(model.layers[0].mlp.down_proj, Q6KLinear)

@@ -1,6 +1,7 @@
 """quantization="auto": a GGUF model computes with its own blocks, an AWQ / GPTQ model with its own 4-bit codes.
 Each projection whose blocks the loader repacked runs them (4-bit groups through `Int4Linear`, Q4_K and Q6_K
-super-blocks as stored through `Q4KLinear` and `Q6KLinear`, Q8 groups through `Q8Linear`), the token embedding stays quantized
+super-blocks as stored through `Q4KLinear` and `Q6KLinear`, a fused projection of both through `ShardedLinear`, Q8
+groups through `Q8Linear`), the token embedding stays quantized
 (`QuantizedEmbedding`, `Q6KEmbedding`) and a tied LM head reads the same codes (an untied embedding stays the
 file's blocks: `GGUFRowsEmbedding`); everything else stays float."""
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from inferno.kernels import Q8_WITH_MINS
 from inferno.layers.q4_k import Q4KBlocks, Q4KLinear
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization import GroupQuantized, Int4Linear, PackedInt4, Q8Groups, Q8Linear, ZeroPointInt4
+from inferno.layers.super_blocks import ShardedLinear, SuperBlockLinear, SuperBlocks, SuperBlockShards
 
 
 
@@ -37,7 +39,7 @@ class GGUFRows:
         return self.q8_groups().dequantize()
 
 
-NativeWeight = GGUFRows | GroupQuantized | PackedInt4 | Q4KBlocks | Q6KBlocks | Q8Groups | ZeroPointInt4
+NativeWeight = GGUFRows | GroupQuantized | PackedInt4 | SuperBlocks | SuperBlockShards | Q8Groups | ZeroPointInt4
 
 
 class QuantizedEmbedding(nn.Module):
@@ -97,14 +99,18 @@ def load_native_layers(model: nn.Module, prequantized: dict[str, NativeWeight]) 
                 model.lm_head = embedding.as_lm_head()
         elif name == "lm_head":
             set_submodule(model, name, Q6KLinear(weight) if q6_k else Q8Linear(weight, module.weight.shape[1]))
-        elif q6_k:
-            set_submodule(model, name, Q6KLinear(weight, module.bias))
-        elif isinstance(weight, Q4KBlocks):
-            set_submodule(model, name, Q4KLinear(weight, module.bias))
+        elif isinstance(weight, SuperBlocks):
+            set_submodule(model, name, super_block_linear(weight, module.bias))
+        elif isinstance(weight, SuperBlockShards):
+            set_submodule(model, name, ShardedLinear([super_block_linear(p) for p in weight.parts], module.bias))
         elif isinstance(weight, (GroupQuantized, PackedInt4, ZeroPointInt4)):
             set_submodule(model, name, Int4Linear(weight, module.bias, module.in_features))
         else:
             set_submodule(model, name, Q8Linear(weight, module.in_features, module.bias))
+
+
+def super_block_linear(weight: SuperBlocks, bias: torch.Tensor | None = None) -> SuperBlockLinear:
+    return (Q4KLinear if isinstance(weight, Q4KBlocks) else Q6KLinear)(weight, bias)
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

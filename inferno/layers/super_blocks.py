@@ -38,6 +38,29 @@ class SuperBlocks:
         raise NotImplementedError
 
 
+@dataclass(slots=True)
+class SuperBlockShards:
+    """The parts of a fused projection (qkv_proj, gate_up_proj) stacked along the rows, each in its own type's
+    super-blocks: a Q4_K_M file's Q4_K q/k and Q6_K v run as stored, none converted to a common form."""
+    parts: list[SuperBlocks]
+
+    @classmethod
+    def of(cls, shards: list[SuperBlocks]) -> "SuperBlocks | SuperBlockShards":
+        """Adjacent shards of one type stacked into one part (one kernel call for both); shards all of one type are
+        one `SuperBlocks`."""
+        parts = [shards[0]]
+        for shard in shards[1:]:
+            if type(shard) is type(parts[-1]):
+                parts[-1] = type(shard).cat([parts[-1], shard])
+            else:
+                parts.append(shard)
+        return parts[0] if len(parts) == 1 else cls(parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+
 class SuperBlockLinear(nn.Module):
     """`SuperBlocks` as stored times activations quantized to int8 per block of 32: the native `matmul` operator up
     to `dequantize_from_rows` rows, dequantize-then-GEMM in COMPUTE_DTYPE beyond that or without the native
@@ -77,4 +100,22 @@ class SuperBlockLinear(nn.Module):
         else:
             y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
         y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class ShardedLinear(nn.Module):
+    """A fused projection whose parts keep their own super-blocks (`SuperBlockShards`): one layer per part, their
+    outputs side by side."""
+
+    def __init__(self, parts: list[SuperBlockLinear], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
+        self.parts = nn.ModuleList(parts)
+        self.register_buffer("bias", bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias

