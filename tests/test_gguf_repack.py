@@ -1,5 +1,5 @@
 """The native GGUF repack (kernels/gguf_repack.cpp) against the PyTorch path of loader/gguf_blocks.py, bit for bit:
-the int4 layout from Q4_0 / Q4_1 / Q4_K and Q8Groups from every type, on odd row counts and on a K whose last chunk
+the int4 layout from Q4_0 / Q4_1 and Q8Groups from every type, on odd row counts and on a K whose last chunk
 of the int4 layout is partial (fewer than 16 blocks of 32)."""
 import gguf
 import numpy as np
@@ -94,7 +94,7 @@ def test_shards_permute_and_stack_like_codes(qtype):
 
 
 def test_unsupported_type_is_refused_with_a_clear_error():
-    with pytest.raises(RuntimeError, match="gguf_to_int4 takes Q4_0, Q4_1 or Q4_K"):
+    with pytest.raises(RuntimeError, match="gguf_to_int4 takes Q4_0 or Q4_1"):
         torch.ops.inferno.gguf_to_int4(torch.zeros(2, 34, dtype=torch.uint8), int(T.Q8_0),
                                        torch.empty(2, 24, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):

@@ -1,10 +1,9 @@
 // GGUF quantized blocks repacked at load time, row by row in parallel, into the forms the kernels run (the same
 // results, bit for bit, as the vectorised PyTorch path of inferno/loader/gguf_blocks.py):
 //
-// 1. `gguf_to_int4`: Q4_0 / Q4_1 / Q4_K rows [N, bytes per row] -> the int4 kernel's rows (see the int4 layout
-//    in quantized_gemv.cpp), written into a given tensor: codes in chunks of 16 blocks of 32, then a float16 scale
-//    and a float16 min per group of 32 (Q4_0: min = -8 d; Q4_K: d * sc and -(dmin * m) computed in float32, then
-//    rounded to float16).
+// 1. `gguf_to_int4`: Q4_0 / Q4_1 rows [N, bytes per row] -> the int4 kernel's rows (see the int4 layout in
+//    quantized_gemv.cpp), written into a given tensor: codes in chunks of 16 blocks of 32, then a float16 scale and
+//    a float16 min per group of 32 (Q4_0: min = -8 d), exact. (Q4_K runs as stored: q4_k_gemv.cpp.)
 // 2. `gguf_to_q8`: Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 rows -> Q8Groups' signed int8 codes
 //    [N, K], float32 scales [N, K / G] and mins [N, K / G] (an empty tensor for the symmetric types), G = 16 for
 //    Q6_K, else 32.
@@ -105,8 +104,7 @@ inline void put_block(uint8_t* chunk, int64_t nb, int64_t l, __m128i bytes) {
 // Writes into `packed` (uint8 [rows, K / 2 + 4 * K / 32], contiguous): a fused layer's shards go straight into
 // their rows of one tensor.
 void gguf_to_int4(const at::Tensor& raw, int64_t qtype, at::Tensor& packed) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K, "gguf_to_int4 takes Q4_0, Q4_1 or Q4_K, got type ",
-              qtype);
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "gguf_to_int4 takes Q4_0 or Q4_1, got type ", qtype);
   const TypeInfo t = type_info(qtype);
   const auto [rows, n] = check_raw(raw, t);
   const int64_t k = n * t.block_values, groups = k / 32, blocks = groups, code_bytes = k / 2;
@@ -131,44 +129,17 @@ void gguf_to_int4(const at::Tensor& raw, int64_t qtype, at::Tensor& packed) {
         return out + c * CHUNK_BLOCKS * 16;
       };
       int64_t nb, l;
-      if (qtype == Q4_K) {
-        for (int64_t s = 0; s < n; ++s) {
-          const uint8_t* blk = in + s * t.block_bytes;
-          const float d = half_at(blk), dmin = half_at(blk + 2);
-          uint8_t sc[8], mn[8];
-          k_scales(blk + 4, sc, mn);
-          for (int64_t p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high) share 32 bytes
-            const uint8_t* qs = blk + 16 + 32 * p;
-            const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));  // columns j, 32 + j
-            const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));  // 16 + j, 48 + j
-            const __m128i low4 = _mm_set1_epi8(0x0F);
-            const int64_t b = s * 8 + 2 * p;
-            uint8_t* chunk = chunk_of(b, nb, l);
-            put_block(chunk, nb, l, _mm_or_si128(_mm_and_si128(first, low4),
-                                                 _mm_slli_epi16(_mm_and_si128(second, low4), 4)));
-            chunk = chunk_of(b + 1, nb, l);
-            put_block(chunk, nb, l, _mm_or_si128(_mm_and_si128(_mm_srli_epi16(first, 4), low4),
-                                                 _mm_andnot_si128(low4, second)));
-          }
-          for (int64_t j = 0; j < 8; ++j) {
-            const int64_t g = s * 8 + j;
-            store_half(scales + 2 * g, d * static_cast<float>(sc[j]));
-            store_half(mins + 2 * g, -(dmin * static_cast<float>(mn[j])));
-          }
-        }
-      } else {
-        const int64_t header = qtype == Q4_1 ? 4 : 2;
-        for (int64_t b = 0; b < n; ++b) {
-          const uint8_t* blk = in + b * t.block_bytes;
-          uint8_t* chunk = chunk_of(b, nb, l);
-          for (int64_t v = 0; v < 4; ++v)  // qs[j] holds codes j and 16 + j already: runs are slices of qs
-            std::memcpy(chunk + v * 4 * nb + 4 * l, blk + header + 4 * v, 4);
-          std::memcpy(scales + 2 * b, blk, 2);
-          if (qtype == Q4_1)
-            std::memcpy(mins + 2 * b, blk + 2, 2);
-          else
-            store_half(mins + 2 * b, -8.f * half_at(blk));
-        }
+      const int64_t header = qtype == Q4_1 ? 4 : 2;
+      for (int64_t b = 0; b < n; ++b) {
+        const uint8_t* blk = in + b * t.block_bytes;
+        uint8_t* chunk = chunk_of(b, nb, l);
+        for (int64_t v = 0; v < 4; ++v)  // qs[j] holds codes j and 16 + j already: runs are slices of qs
+          std::memcpy(chunk + v * 4 * nb + 4 * l, blk + header + 4 * v, 4);
+        std::memcpy(scales + 2 * b, blk, 2);
+        if (qtype == Q4_1)
+          std::memcpy(mins + 2 * b, blk + 2, 2);
+        else
+          store_half(mins + 2 * b, -8.f * half_at(blk));
       }
     }
   });

@@ -105,7 +105,6 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
 
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-Q4_LEGACY_TYPES = (T.Q4_0, T.Q4_1)
 
 
 def has_quantized_tensors(gguf_file: GGUFFile) -> bool:
@@ -124,7 +123,7 @@ def native_weight(tensor: GGUFTensor, name: str, native: str, tied: bool = True)
     projection = name.endswith("proj.weight") and not name.endswith(
         ("qkv_proj.weight", "gate_up_proj.weight"))  # Phi-3's fused ones are split as float
     if native == "q4":
-        return int4_groups(tensor.data, qtype) if projection and qtype in Q4_LEGACY_TYPES else None
+        return int4_groups(tensor.data, qtype) if projection and qtype in INT4_TYPES else None
     if projection and qtype == T.Q4_K:
         return Q4KBlocks(rows_of(tensor.data))  # a view of the file's memory map, as Q6_K's
     if projection and qtype in INT4_TYPES:

@@ -1,15 +1,14 @@
 """GGUF quantized blocks repacked, without dequantizing, into the forms inferno's kernels run: every operation is
 vectorised over a whole tensor (raw bytes [rows, bytes per row], a view of the memory-mapped file).
 
-- `int4_groups`: Q4_0, Q4_1 and Q4_K as 4-bit codes with a scale and a min per group of 32 (`GroupQuantized`, the
-  `Int4Linear` input). Exact in float32; `Int4Linear` stores scales and mins as float16, which is exact for Q4_0 and
-  Q4_1 (their d and m are float16) but rounds Q4_K's d * sc and dmin * m (up to 17 significant bits).
-- `int4_rows` / `pack_int4_shards`: Q4_0, Q4_1 and Q4_K straight into `Int4Linear`'s packed rows (a fused
-  layer's shards into one tensor), the same bytes as `pack_int4(int4_groups(...))`.
+- `int4_groups`: Q4_0 and Q4_1 as 4-bit codes with a scale and a min per group of 32 (`GroupQuantized`, the
+  `Int4Linear` input), exact (`Int4Linear` stores scales and mins as float16, the files' own d and m).
+- `int4_rows` / `pack_int4_shards`: Q4_0 and Q4_1 straight into `Int4Linear`'s packed rows (a fused layer's shards
+  into one tensor), the same bytes as `pack_int4(int4_groups(...))`.
 - `q8_groups`: every supported type as signed 8-bit codes with a float32 scale (and min) per group of 32, or 16 for
   Q6_K (`Q8Groups`, the `Q8Linear` input): exact, `codes * scales + mins` is what `gguf.quants.dequantize` computes.
 - `q6_k_blocks`: Q6_K rows as stored (`Q6KBlocks`, the `Q6KLinear` input), 6.5625 bits per weight where Q8 groups
-  of 16 take 10.
+  of 16 take 10; Q4_K rows run as stored too (`Q4KBlocks`, layers/q4_k.py).
 
 `pack_int4_shards` and `q8_groups` run the native operators of kernels/gguf_repack.cpp (row-parallel, no intermediate
 tensors) when they build; the PyTorch paths (`int4_groups`, `decode`) are the fallback and the tests' reference.
@@ -26,7 +25,7 @@ from inferno.layers.q6_k import Q6KBlocks
 from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, pack_int4
 
 T = gguf.GGMLQuantizationType
-INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+INT4_TYPES = (T.Q4_0, T.Q4_1)  # Q4_K runs as stored (Q4KBlocks)
 Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0)
 QK_K = 256  # values per K-quant super-block
 
@@ -103,7 +102,7 @@ def decode(raw: Raw, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def int4_groups(raw: Raw, qtype: T) -> GroupQuantized:
-    """Q4_0 / Q4_1 / Q4_K -> unsigned 4-bit codes in groups of 32 (Q4_0: min -8 * d)."""
+    """Q4_0 / Q4_1 -> unsigned 4-bit codes in groups of 32 (Q4_0: min -8 * d)."""
     if qtype not in INT4_TYPES:
         raise ValueError(f"GGUF tensor type {qtype.name} is not a 4-bit type")
     b = blocks_of(raw, qtype)
@@ -144,7 +143,7 @@ class Int4Blocks:
         return q8_groups(self.raw, self.qtype)
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] float32, exact (the file's d * sc, not the int4 layout's float16 rounding of it)."""
+        """[N, K] float32, exact."""
         return self.q8_groups().dequantize()
 
 
