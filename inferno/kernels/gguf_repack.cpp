@@ -10,19 +10,19 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <emmintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "quantized_rows.h"
+
 namespace {
 
 // ggml's type numbers (gguf.GGMLQuantizationType)
 enum GGMLType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-constexpr int64_t QK_K = 256;  // values per K-quant super-block
 constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 per chunk of the int4 layout
 // At least this many output bytes per parallel task: a small tensor is repacked on the calling thread (a parallel
 // region costs more than it saves there, far more when other processes hold the cores).
@@ -50,12 +50,6 @@ TypeInfo type_info(int64_t qtype) {
   }
 }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
 inline void store_half(uint8_t* p, float v) {
   const uint16_t bits = c10::Half(v).x;
   std::memcpy(p, &bits, sizeof(bits));
@@ -71,16 +65,6 @@ inline void advise_huge_pages(void* p, int64_t bytes) {
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(HUGE_PAGE - 1);
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 #endif
-}
-
-// Q4_K / Q5_K's 12 bytes of 6-bit scales and mins of the 8 sub-blocks.
-inline void k_scales(const uint8_t* p, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = p[j] & 0x3F;
-    mn[j] = p[4 + j] & 0x3F;
-    sc[4 + j] = (p[8 + j] & 0x0F) | ((p[j] >> 2) & 0x30);
-    mn[4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30);
-  }
 }
 
 // Checks `raw` and returns (rows, blocks per row).

@@ -21,20 +21,8 @@
 
 namespace {
 
-constexpr int64_t QK_K = 256;  // weights per super-block
 constexpr int64_t BLOCK_BYTES = 144;
 constexpr int64_t SUB_BLOCKS = 8;  // of 32 weights: one block of x each
-
-// The 8 sub-blocks' scales and mins: 6 bits each, packed as llama.cpp's get_scale_min_k4 reads them.
-inline void scales_and_mins(const uint8_t* blk, uint8_t* sc, uint8_t* mn) {
-  const uint8_t* p = blk + 4;
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = p[j] & 0x3F;
-    mn[j] = p[4 + j] & 0x3F;
-    sc[4 + j] = (p[8 + j] & 0x0F) | ((p[j] >> 2) & 0x30);
-    mn[4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30);
-  }
-}
 
 // The sub-block's 32 codes, in column order.
 inline void sub_block_codes(const uint8_t* blk, int64_t j, uint8_t* codes) {
@@ -43,7 +31,7 @@ inline void sub_block_codes(const uint8_t* blk, int64_t j, uint8_t* codes) {
 }
 
 #if defined(__AVX2__)
-// The same unpacking four sub-blocks at a time: bytes 0-3 of the result are sc_0..3, 4-7 sc_4..7, 8-11 m_0..3 and
+// k_scales' unpacking four sub-blocks at a time: bytes 0-3 of the result are sc_0..3, 4-7 sc_4..7, 8-11 m_0..3 and
 // 12-15 m_4..7.
 inline __m128i packed_scales_and_mins(const uint8_t* blk) {
   uint32_t u[3];
@@ -213,7 +201,7 @@ void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, i
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t s = 0; s < supers; ++s) {
         const uint8_t* blk = blocks + j * row_bytes + s * BLOCK_BYTES;
-        scales_and_mins(blk, sc, mn);
+        k_scales(blk + 4, sc, mn);
         const float d = half_at(blk), dmin = half_at(blk + 2);
         for (int64_t b = 0; b < SUB_BLOCKS; ++b) {
           sub_block_codes(blk, b, codes);
@@ -232,30 +220,15 @@ void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, i
 }
 #endif
 
-void check_blocks(const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-              blocks.size(1) % BLOCK_BYTES == 0,
-              "blocks must be contiguous uint8 [N, K / 256 * 144] (Q4_K super-blocks), got ", blocks.scalar_type(),
-              " ", blocks.sizes());
-}
-
 // x [M, K] float32; blocks [N, K / 256 * 144] uint8 -> [M, N] float32
 at::Tensor q4_k_matmul(const at::Tensor& x, const at::Tensor& blocks) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  check_blocks(blocks);
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % QK_K == 0 && blocks.size(1) == k / QK_K * BLOCK_BYTES, "x has ", k, " columns but the blocks hold ",
-              blocks.size(1) / BLOCK_BYTES * QK_K);
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  q4_k_matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k);
-  return y;
+  return super_block_matmul(x, blocks, BLOCK_BYTES, "Q4_K", q4_k_matmul_rows);
 }
 
 // blocks [N, K / 256 * 144] uint8 -> W [N, K], w = (d * sc) * q - (dmin * m) in float32 (as gguf.quants.dequantize
 // computes it), rounded once to `dtype`
 at::Tensor q4_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
-  check_blocks(blocks);
+  check_super_blocks(blocks, BLOCK_BYTES, "Q4_K");
   const int64_t n = blocks.size(0), supers = blocks.size(1) / BLOCK_BYTES, k = supers * QK_K;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   return dequantized(n, k, dtype, blocks.options(), [&](auto* wp) {
@@ -264,7 +237,7 @@ at::Tensor q4_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
       for (int64_t j = begin; j < end; ++j)
         for (int64_t s = 0; s < supers; ++s) {
           const uint8_t* blk = bp + (j * supers + s) * BLOCK_BYTES;
-          scales_and_mins(blk, sc, mn);
+          k_scales(blk + 4, sc, mn);
           const float d = half_at(blk), dmin = half_at(blk + 2);
           for (int64_t b = 0; b < SUB_BLOCKS; ++b) {
             sub_block_codes(blk, b, codes);

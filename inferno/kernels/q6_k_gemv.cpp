@@ -21,7 +21,6 @@
 
 namespace {
 
-constexpr int64_t QK_K = 256;  // weights per super-block
 constexpr int64_t BLOCK_BYTES = 210;
 constexpr int64_t LANE_CODES = 4;  // codes of x per int32 lane of the dot products
 
@@ -218,30 +217,15 @@ void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, i
 }
 #endif
 
-void check_blocks(const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-              blocks.size(1) % BLOCK_BYTES == 0,
-              "blocks must be contiguous uint8 [N, K / 256 * 210] (Q6_K super-blocks), got ", blocks.scalar_type(),
-              " ", blocks.sizes());
-}
-
 // x [M, K] float32; blocks [N, K / 256 * 210] uint8 -> [M, N] float32
 at::Tensor q6_k_matmul(const at::Tensor& x, const at::Tensor& blocks) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  check_blocks(blocks);
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % QK_K == 0 && blocks.size(1) == k / QK_K * BLOCK_BYTES, "x has ", k, " columns but the blocks hold ",
-              blocks.size(1) / BLOCK_BYTES * QK_K);
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  q6_k_matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k);
-  return y;
+  return super_block_matmul(x, blocks, BLOCK_BYTES, "Q6_K", q6_k_matmul_rows);
 }
 
 // blocks [N, K / 256 * 210] uint8 -> W [N, K], w = (d * sc) * (q - 32) in float32 (as gguf.quants.dequantize
 // computes it), rounded once to `dtype`
 at::Tensor q6_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
-  check_blocks(blocks);
+  check_super_blocks(blocks, BLOCK_BYTES, "Q6_K");
   const int64_t n = blocks.size(0), supers = blocks.size(1) / BLOCK_BYTES, k = supers * QK_K;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   return dequantized(n, k, dtype, blocks.options(), [&](auto* wp) {

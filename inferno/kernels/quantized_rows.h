@@ -1,6 +1,7 @@
-// What the quantized matmul kernels share (quantized_gemv.cpp, q6_k_gemv.cpp): the rows of x quantized to int8
-// per block of 32, the passes over row blocks of x, float16 reads and the float32 / bfloat16 output of the
-// dequantizers. Each kernel file is its own extension: everything here has internal linkage.
+// What the quantized kernels share (quantized_gemv.cpp, q4_k_gemv.cpp, q6_k_gemv.cpp, gguf_repack.cpp): the rows of
+// x quantized to int8 per block of 32, the passes over row blocks of x, float16 reads, K-quant scales, the checks
+// and shape of the super-block matmul operators and the float32 / bfloat16 output of the dequantizers. Each kernel
+// file is its own extension: everything here has internal linkage.
 #pragma once
 
 #include <torch/extension.h>
@@ -66,7 +67,7 @@ struct QuantizedRows {  // the rows of x, quantized per block of 32
   std::vector<float> sums;       // [M, K / 32]: of the rounded values, xs * code sum
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   const int64_t blocks = m * k / X_BLOCK;
   QuantizedRows q{std::vector<int8_t>(m * k), std::vector<float>(blocks), std::vector<int32_t>(blocks),
                   std::vector<float>(blocks)};
@@ -92,6 +93,42 @@ inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Q4_K / Q5_K's 12 bytes of 6-bit scales and mins of the 8 sub-blocks (as llama.cpp's get_scale_min_k4 reads them).
+inline void k_scales(const uint8_t* p, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = p[j] & 0x3F;
+    mn[j] = p[4 + j] & 0x3F;
+    sc[4 + j] = (p[8 + j] & 0x0F) | ((p[j] >> 2) & 0x30);
+    mn[4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30);
+  }
+}
+
+// ---- the operators on K-quant super-blocks (256 weights in `block_bytes` bytes, rows [N, K / 256 * block_bytes]) ----
+constexpr int64_t QK_K = 256;  // weights per super-block
+
+inline void check_super_blocks(const at::Tensor& blocks, int64_t block_bytes, const char* type) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+              blocks.size(1) % block_bytes == 0,
+              "blocks must be contiguous uint8 [N, K / 256 * ", block_bytes, "] (", type, " super-blocks), got ",
+              blocks.scalar_type(), " ", blocks.sizes());
+}
+
+// x [M, K] float32 times the super-blocks -> [M, N] float32: x quantized (quantize_rows), then
+// matmul_rows(q, blocks, y, m, n, k), the kernel's sums.
+template <typename MatmulRows>
+at::Tensor super_block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t block_bytes, const char* type,
+                              MatmulRows&& matmul_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  check_super_blocks(blocks, block_bytes, type);
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  TORCH_CHECK(k % QK_K == 0 && blocks.size(1) == k / QK_K * block_bytes, "x has ", k, " columns but the blocks hold ",
+              blocks.size(1) / block_bytes * QK_K);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k);
+  return y;
 }
 
 // ---- the dequantizers' output, float32 or bfloat16 ----
