@@ -89,40 +89,37 @@ def quantized_gemv():
     return torch.ops.inferno
 
 
-@functools.cache
-def q6_k_gemv():
-    """The `torch.ops.inferno` namespace holding `q6_k_matmul` (rows quantized to int8 times GGUF Q6_K super-blocks
-    as stored) and `q6_k_dequantize` (to float32 / bfloat16, see q6_k_gemv.cpp), or None when they cannot be built."""
-    if not _build("inferno_q6_k_gemv", "q6_k_gemv.cpp", "using dequantize + F.linear"):
-        return None
+def _super_block_gemv(qtype: T) -> bool:
+    """Builds `{type}_matmul` (rows quantized to int8 times GGUF K-quant super-blocks as stored) and
+    `{type}_dequantize` (to float32 / bfloat16) from `{type}_gemv.cpp`, with their shapes for torch.compile."""
+    op = qtype.name.lower()
+    if not _build(f"inferno_{op}_gemv", f"{op}_gemv.cpp", "using dequantize + F.linear"):
+        return False
+    values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
 
-    @torch.library.register_fake("inferno::q6_k_matmul")
-    def _(x, blocks):  # shapes for torch.compile's tracing
+    @torch.library.register_fake(f"inferno::{op}_matmul")
+    def _(x, blocks):
         return x.new_empty(x.shape[0], blocks.shape[0])
 
-    @torch.library.register_fake("inferno::q6_k_dequantize")
+    @torch.library.register_fake(f"inferno::{op}_dequantize")
     def _(blocks, dtype):
-        return blocks.new_empty(blocks.shape[0], blocks.shape[1] // 210 * 256, dtype=dtype)
+        return blocks.new_empty(blocks.shape[0], blocks.shape[1] // block_bytes * values, dtype=dtype)
 
-    return torch.ops.inferno
+    return True
+
+
+@functools.cache
+def q6_k_gemv():
+    """The `torch.ops.inferno` namespace holding `q6_k_matmul` and `q6_k_dequantize` (see q6_k_gemv.cpp), or None
+    when they cannot be built."""
+    return torch.ops.inferno if _super_block_gemv(T.Q6_K) else None
 
 
 @functools.cache
 def q4_k_gemv():
-    """The `torch.ops.inferno` namespace holding `q4_k_matmul` (rows quantized to int8 times GGUF Q4_K super-blocks
-    as stored) and `q4_k_dequantize` (to float32 / bfloat16, see q4_k_gemv.cpp), or None when they cannot be built."""
-    if not _build("inferno_q4_k_gemv", "q4_k_gemv.cpp", "using dequantize + F.linear"):
-        return None
-
-    @torch.library.register_fake("inferno::q4_k_matmul")
-    def _(x, blocks):  # shapes for torch.compile's tracing
-        return x.new_empty(x.shape[0], blocks.shape[0])
-
-    @torch.library.register_fake("inferno::q4_k_dequantize")
-    def _(blocks, dtype):
-        return blocks.new_empty(blocks.shape[0], blocks.shape[1] // 144 * 256, dtype=dtype)
-
-    return torch.ops.inferno
+    """The `torch.ops.inferno` namespace holding `q4_k_matmul` and `q4_k_dequantize` (see q4_k_gemv.cpp), or None
+    when they cannot be built."""
+    return torch.ops.inferno if _super_block_gemv(T.Q4_K) else None
 
 
 # the types whose blocks carry a min: gguf_to_q8 returns their mins (an empty tensor for the others)
