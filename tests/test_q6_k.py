@@ -2,18 +2,15 @@
 for bit, the kernel computes the float sums of the int8-rounded rows on every path this CPU can run (the
 -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized weight
 for decode-sized and large batches."""
-import subprocess
-import sys
-
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from inferno.cpu_features import cpu_key
 from inferno.kernels import q6_k_gemv
 from inferno.layers import q6_k
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
+from narrow_builds import narrow_build_outputs
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks
 
@@ -75,34 +72,15 @@ def test_kernel_matches_float_sums_of_the_quantized_rows(m, k):
     assert_close_to(y, kernel_reference(x, raw))
 
 
-# Run in a fresh process: the operators of one build per process. The argument: a path for the inputs and results.
-NARROW_BUILD = """
-import sys, torch
-from torch.utils import cpp_extension
-name, source, flags, data = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4]
-cpp_extension.load(name=name, sources=[source], extra_cflags=["-O3", "-march=native", *flags, "-fopenmp"],
-                   extra_ldflags=["-fopenmp"], is_python_module=False)
-xs, blocks = torch.load(data)
-ys = [torch.ops.inferno.q6_k_matmul(x, blocks) for x in xs]
-torch.save((ys, torch.ops.inferno.q6_k_dequantize(blocks, torch.float32)), data)
-"""
-
-
 @needs_kernel
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2"], ids=["avx2", "plain"])
 def test_narrower_builds_compute_the_same_sums(tmp_path, flags):
     """The AVX2 path and the plain loops, built on this CPU without the instructions they must not use (the first
     build takes about half a minute; later runs reuse it)."""
-    k = 1792
-    xs_raws = [kernel_inputs(m, 37, k) for m in (1, 3, 5)]
+    xs_raws = [kernel_inputs(m, 37, 1792) for m in (1, 3, 5)]
     raw = xs_raws[0][1]
     xs = [x for x, _ in xs_raws]
-    data = tmp_path / "data.pt"
-    torch.save((xs, torch.from_numpy(raw)), data)
-    name = f"inferno_q6_k_gemv_{flags.replace('-mno-', '_no_').replace(' ', '')}_{cpu_key()}"
-    source = str(q6_k.__file__).replace("layers/q6_k.py", "kernels/q6_k_gemv.cpp")
-    subprocess.run([sys.executable, "-c", NARROW_BUILD, name, source, flags, str(data)], check=True)
-    ys, w = torch.load(data)
+    ys, w = narrow_build_outputs(tmp_path, "q6_k", flags, xs, torch.from_numpy(raw))
     assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K)))
     for x, y in zip(xs, ys):
         assert_close_to(y, kernel_reference(x, raw))
