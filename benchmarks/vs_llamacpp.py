@@ -148,7 +148,7 @@ def main() -> None:
         # no prefix caching: the repeats send the same prompt, which must be processed every time
         llm = LLM(model=args.model, num_threads=args.num_threads, kv_cache_memory=1 << 30, enable_prefix_caching=False,
                   **CONFIGS[name])
-        llm.llm_engine.model_runner.wait_for_compiled_decode()  # measure the steady state, not the warm-up
+        llm.llm_engine.model_runner.wait_for_warm_up()  # measure the steady state, not the warm-up
         model_path = llm.llm_engine.model_path
         workload = workload or make_workload(llm.get_tokenizer(), args)
         prompt_tps, decode_tps = inferno_single(llm, workload.single_prompt, args.single_output, args.repeats)

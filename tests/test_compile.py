@@ -48,9 +48,9 @@ def assert_same_tokens(ref, out, tol: float) -> None:
 def test_compiled_decode_matches_eager(model, engine_args, tol):
     eager = LLM(model, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=True, **engine_args)
     compiled = LLM(model, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=False, **engine_args)
-    assert eager.llm_engine.model_runner.compile_thread is None
+    assert not eager.llm_engine.model_runner.wait_for_warm_up()
     runner = compiled.llm_engine.model_runner
-    assert runner.wait_for_compiled_decode()
+    assert runner.wait_for_warm_up()
     # the warm-up wrote K/V into the scratch block only, outside the pool
     assert runner.scratch_block == compiled.llm_engine.num_blocks
     for attn in runner.model.attention_layers:
@@ -80,7 +80,7 @@ def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monke
         finished.update((o.request_id, o) for o in engine.step())
     assert runner.compiled_decode is None and not finished
     release.set()
-    assert runner.wait_for_compiled_decode()
+    assert runner.wait_for_warm_up()
     graphs = counters["stats"]["unique_graphs"]
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step())

@@ -22,6 +22,7 @@ from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_ste
 from inferno.worker.pipeline import run_first_stage, run_later_stage
 from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
+from inferno.worker.huge_pages import move_weights_to_huge_pages
 from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.request_state import CachedRequestState, update_states
 
@@ -31,9 +32,9 @@ logger = logging.getLogger("inferno")
 # dynamo's compile stance is one for the whole process: held by a compile thread for its warm-up (stance "default")
 # and by every compiled step ("eager_on_recompile"); a step that finds it taken runs eagerly
 DYNAMO_STANCE = threading.Lock()
-# the compile thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
+# the warm-up thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
 # starved for long by other processes, which would stall the serving thread waiting for the GIL
-COMPILE_NICENESS = 10
+WARM_UP_NICENESS = 10
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str) -> int:
@@ -88,11 +89,12 @@ class ModelRunner:
             max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_forward, engine_config.max_num_seqs,
                                               cdiv(max_model_len, self.block_size), self.scratch_block, device)
-        self.compile_thread: threading.Thread | None = None
-        if compile_decode:
-            self.compile_thread = threading.Thread(target=self._compile_decode_step, name="inferno-compile-decode",
-                                                   daemon=True)
-            self.compile_thread.start()
+        # the background warm-up: the decode step compiled, then the weights moved onto huge pages (CPU)
+        self.warm_up_thread: threading.Thread | None = None
+        if compile_decode or device.type == "cpu":
+            self.warm_up_thread = threading.Thread(target=self._warm_up, args=(compile_decode,),
+                                                   name="inferno-warm-up", daemon=True)
+            self.warm_up_thread.start()
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -108,11 +110,20 @@ class ModelRunner:
                 caches += [attn.k_scale, attn.v_scale]
         return caches
 
-    def wait_for_compiled_decode(self, timeout: float | None = None) -> bool:
-        """Block until the background compile is over; True if decode steps now run compiled."""
-        if self.compile_thread is not None:
-            self.compile_thread.join(timeout)
+    def wait_for_warm_up(self, timeout: float | None = None) -> bool:
+        """Block until the background warm-up is over (the steady state); True if decode steps now run compiled."""
+        if self.warm_up_thread is not None:
+            self.warm_up_thread.join(timeout)
         return self.compiled_decode is not None
+
+    def _warm_up(self, compile_decode: bool) -> None:
+        """The warm-up thread, at a lower OS priority (Linux), as are the compiler processes it starts, so serving
+        keeps its core."""
+        lower_thread_priority()
+        if compile_decode:
+            self._compile_decode_step()
+        if self.device.type == "cpu":
+            move_weights_to_huge_pages(self.model)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -179,9 +190,7 @@ class ModelRunner:
         Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
         hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
         modules. The warm-up calls do run the graphs on the real caches, but write only the scratch block. What is
-        shared is dynamo's compile stance (process-wide): DYNAMO_STANCE keeps it to one thread at a time. The thread
-        runs at a lower OS priority (Linux), as do the compiler processes it starts, so serving keeps its core."""
-        lower_thread_priority()
+        shared is dynamo's compile stance (process-wide): DYNAMO_STANCE keeps it to one thread at a time."""
         compiled = torch.compile(with_own_code(self._decode_forward), dynamic=None, options={
             "guard_filter_fn": skip_module_and_global_guards, "emulate_precision_casts": True,
             "cpp_wrapper": True})
@@ -281,7 +290,7 @@ def skip_module_and_global_guards(entries: list) -> list[bool]:
 def lower_thread_priority() -> None:
     """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
     except (AttributeError, OSError):
         pass
 
