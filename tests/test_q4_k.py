@@ -10,9 +10,11 @@ import torch
 from inferno.kernels import q4_k_gemv
 from inferno.layers import q4_k
 from inferno.layers.q4_k import Q4KBlocks, Q4KLinear
+from inferno.loader.gguf_file import GGUFFile
+from inferno.loader.model_loader import load_model
 from narrow_builds import narrow_build_outputs
 from test_kernels import assert_close_to, quantize_rows_like_q8
-from tiny_gguf import T, random_blocks
+from tiny_gguf import T, random_blocks, write_tiny_gguf
 
 needs_kernel = pytest.mark.skipif(q4_k_gemv() is None, reason="no C++ compiler for the native kernels")
 # float16 d / dmin at the ends of their range (largest, smallest subnormal, negative, zero) and ordinary ones
@@ -115,6 +117,25 @@ def test_rows_permute_and_stack_like_the_weights():
     expected = np.concatenate([gguf.quants.dequantize(a, T.Q4_K)[order.numpy()], gguf.quants.dequantize(b, T.Q4_K)])
     assert isinstance(both, Q4KBlocks) and both.shape == (13, 512)
     assert np.array_equal(both.dequantize().numpy(), expected)
+
+
+def test_rows_stored_one_after_another_stack_without_a_copy(tmp_path):
+    """A GGUF file stores a layer's ffn_gate then ffn_up: the fused gate_up_proj is a view of the file's map holding
+    exactly both tensors' bytes; parts not adjacent (or not sharing a storage) are copied."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", T.Q4_K)
+    gguf_file = GGUFFile(str(path))
+    tensors = {t.name: t for t in gguf_file.tensors}
+    gate, up = (tensors[f"blk.0.ffn_{kind}.weight"].rows() for kind in ("gate", "up"))
+    assert gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+    stacked = Q4KBlocks.cat([Q4KBlocks(gate), Q4KBlocks(up)]).raw
+    assert stacked.data_ptr() == gate.data_ptr() and torch.equal(stacked, torch.cat([gate, up]))
+    loaded = load_model(str(path), torch.float32, quantization="auto").model.layers[0].mlp.gate_up_proj.weight
+    assert loaded.untyped_storage().nbytes() == path.stat().st_size  # the loader's own map of the whole file
+    assert torch.equal(loaded, torch.cat([gate, up]))
+    down = tensors["blk.0.ffn_down.weight"].rows()  # same storage, not right after ffn_up
+    for parts in ([up, gate], [gate, down[:, :gate.shape[1]].contiguous()]):
+        copied = Q4KBlocks.cat([Q4KBlocks(p) for p in parts]).raw
+        assert copied.data_ptr() not in (p.data_ptr() for p in parts) and torch.equal(copied, torch.cat(parts))
 
 
 @needs_kernel

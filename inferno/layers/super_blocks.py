@@ -31,7 +31,16 @@ class SuperBlocks:
 
     @classmethod
     def cat(cls, parts: list["SuperBlocks"]) -> "SuperBlocks":
-        return cls(torch.cat([p.raw for p in parts]))
+        """The parts' rows stacked: a view where they lie one after another in one storage (a GGUF file stores a
+        layer's ffn_gate and ffn_up so), else a copy."""
+        raws = [p.raw for p in parts]
+        adjacent = all(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.is_contiguous()
+                       and b.is_contiguous() and a.shape[1:] == b.shape[1:]
+                       and b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(raws, raws[1:]))
+        if adjacent:
+            first = raws[0]
+            return cls(first.as_strided((sum(r.shape[0] for r in raws), *first.shape[1:]), first.stride()))
+        return cls(torch.cat(raws))
 
     def dequantize(self, dtype: torch.dtype = torch.float32, native: bool = True) -> torch.Tensor:
         """[N, K] in `dtype`, as `gguf.quants.dequantize` computes it in float32, rounded once."""

@@ -15,8 +15,7 @@ from inferno.loader.gguf_architectures import (EXPERT_TENSORS, architecture_opti
                                                to_hf_layout)
 from inferno.kernels import gguf_repack
 from inferno.layers.native_quantization import GGUFRows
-from inferno.loader.gguf_blocks import (INT4_TYPES, Q8_TYPES, Int4Blocks, int4_groups, int4_rows, q6_k_blocks, q8_groups,
-                                        rows_of)
+from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, Int4Blocks, int4_groups, int4_rows, q6_k_blocks, q8_groups
 from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 
 T = gguf.GGMLQuantizationType
@@ -125,13 +124,13 @@ def native_weight(tensor: GGUFTensor, name: str, native: str, tied: bool = True)
     if native == "q4":
         return int4_groups(tensor.data, qtype) if projection and qtype in INT4_TYPES else None
     if projection and qtype == T.Q4_K:
-        return Q4KBlocks(rows_of(tensor.data))  # a view of the file's memory map, as Q6_K's
+        return Q4KBlocks(tensor.rows())  # a view of the file's memory map, as Q6_K's
     if projection and qtype in INT4_TYPES:
         return int4_rows(tensor.data, qtype)
     if name == "model.embed_tokens.weight" and not tied and qtype in Q8_TYPES and gguf_repack() is not None:
-        return GGUFRows(rows_of(tensor.data), qtype)
+        return GGUFRows(tensor.rows(), qtype)
     if projection or name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return q6_k_blocks(tensor.data) if qtype == T.Q6_K else q8_groups(tensor.data, qtype)
+        return q6_k_blocks(tensor.rows()) if qtype == T.Q6_K else q8_groups(tensor.data, qtype)
     return None
 
 
@@ -154,7 +153,8 @@ def iter_weights(gguf_file: GGUFFile, config: ModelConfig,
         if layer_name in EXPERT_TENSORS:  # [experts, rows, columns] -> one tensor per expert, blocks kept
             prefix = f"model.layers.{tensor.name.split('.')[1]}.mlp.experts"
             for e in range(tensor.shape[0]):
-                expert = GGUFTensor(f"{tensor.name}[{e}]", tensor.tensor_type, tensor.shape[1:], tensor.data[e])
+                expert = GGUFTensor(f"{tensor.name}[{e}]", tensor.tensor_type, tensor.shape[1:], tensor.data[e],
+                                    tensor.file_bytes)
                 name = f"{prefix}.{e}.{EXPERT_TENSORS[layer_name]}.weight"
                 w = native_weight(expert, name, native)
                 yield name, float_weight(expert) if w is None else w

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 GGUF_MAGIC = b"GGUF"
@@ -30,10 +31,17 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # outermost first (rows, columns), as numpy and torch order them
     data: np.ndarray  # the raw bytes, uint8 [*shape[:-1], bytes per row], a view of the file's memory map
+    file_bytes: torch.Tensor  # the whole map as one uint8 tensor, shared by every tensor of the file
 
     @property
     def num_rows(self) -> int:
         return int(np.prod(self.shape[:-1], dtype=np.int64))
+
+    def rows(self) -> torch.Tensor:
+        """The raw bytes as uint8 [rows, bytes per row], a torch view of `file_bytes`: tensors stored one after
+        another share a storage and can be viewed as one without a copy (`SuperBlocks.cat`)."""
+        start = self.data.ctypes.data - self.file_bytes.data_ptr()
+        return self.file_bytes[start:start + self.data.nbytes].view(self.num_rows, -1)
 
 
 class GGUFFile:
@@ -77,7 +85,8 @@ class MetadataParser:
         infos = [self.tensor_info() for _ in range(num_tensors)]
         alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
         data_start = -(-self.pos // alignment) * alignment
-        return fields, [self.tensor(data_start, *info) for info in infos]
+        file_bytes = torch.from_numpy(self.buffer)
+        return fields, [self.tensor(data_start, file_bytes, *info) for info in infos]
 
     def scalar(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self.view, self.pos)
@@ -129,8 +138,8 @@ class MetadataParser:
         kind = GGMLQuantizationType(self.scalar("<I"))
         return name, tuple(int(d) for d in dims[::-1]), kind, self.scalar("<Q")
 
-    def tensor(self, data_start: int, name: str, shape: tuple[int, ...], kind: GGMLQuantizationType,
-               offset: int) -> GGUFTensor:
+    def tensor(self, data_start: int, file_bytes: torch.Tensor, name: str, shape: tuple[int, ...],
+               kind: GGMLQuantizationType, offset: int) -> GGUFTensor:
         block_size, type_size = GGML_QUANT_SIZES[kind]
         if shape[-1] % block_size:
             raise ValueError(f"tensor {name!r} has rows of {shape[-1]} values, not whole {kind.name} blocks")
@@ -140,5 +149,5 @@ class MetadataParser:
         if start + num_bytes > len(self.buffer):
             raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
         data = self.buffer[start:start + num_bytes].reshape(*shape[:-1], row_bytes)
-        return GGUFTensor(name, kind, shape, data)
+        return GGUFTensor(name, kind, shape, data, file_bytes)
 

@@ -12,8 +12,8 @@ old pages or the new ones, never anything else (the kernel swaps the page tables
 
 Only bytes nothing writes may move: in a private map of a file (the GGUF file's, which holds nothing but the
 file) every 2 MiB page with weight bytes in it, elsewhere only the 2 MiB pages that weights cover entirely (a heap
-page shared with other objects could be written during the copy). Linux only; ranges already advised for huge pages are skipped, and
-nothing moves where the copy would not fit in the memory available.
+page shared with other objects could be written during the copy). Linux only; ranges already advised for huge
+pages are skipped, and nothing moves where the copy would not fit in the memory available.
 """
 import ctypes
 import ctypes.util

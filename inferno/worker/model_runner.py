@@ -35,6 +35,9 @@ DYNAMO_STANCE = threading.Lock()
 # the warm-up thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
 # starved for long by other processes, which would stall the serving thread waiting for the GIL
 WARM_UP_NICENESS = 10
+# seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
+# GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
+WARM_UP_DELAY = 1.0
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str) -> int:
@@ -89,7 +92,9 @@ class ModelRunner:
             max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_forward, engine_config.max_num_seqs,
                                               cdiv(max_model_len, self.block_size), self.scratch_block, device)
-        # the background warm-up: the decode step compiled, then the weights moved onto huge pages (CPU)
+        # the background warm-up: the decode step compiled, then the weights moved onto huge pages (CPU); it starts
+        # after the first step (or WARM_UP_DELAY seconds without one), which it would slow down
+        self.first_step_done = threading.Event()
         self.warm_up_thread: threading.Thread | None = None
         if compile_decode or device.type == "cpu":
             self.warm_up_thread = threading.Thread(target=self._warm_up, args=(compile_decode,),
@@ -120,6 +125,7 @@ class ModelRunner:
         """The warm-up thread, at a lower OS priority (Linux), as are the compiler processes it starts, so serving
         keeps its core."""
         lower_thread_priority()
+        self.first_step_done.wait(WARM_UP_DELAY)
         if compile_decode:
             self._compile_decode_step()
         if self.device.type == "cpu":
@@ -132,7 +138,9 @@ class ModelRunner:
         update_states(self.requests, sched, self.device)
         plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
         logits = self.run_step(plan.step)
-        return self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
+        output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
+        self.first_step_done.set()
+        return output
 
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:
