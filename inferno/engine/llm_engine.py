@@ -15,6 +15,7 @@ from inferno.engine.kv_transfer import KVTransferManager
 from inferno.engine.scheduler import Scheduler
 from inferno.engine.stop_checker import StopChecker
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.core.startup_gc import gc_paused
 from inferno.executor import ExecutorDeadError, make_executor
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
@@ -29,7 +30,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         torch.manual_seed(config.seed)
-        self.executor = make_executor(config)
+        with gc_paused():  # loading builds objects that all live on (core/startup_gc.py)
+            self.executor = make_executor(config)
         self.model_path = self.executor.model_path
         self.model_config = self.executor.model_config
         self.tokenizer = self.executor.tokenizer

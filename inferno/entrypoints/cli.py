@@ -1,6 +1,7 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come; `inferno serve`;
 `inferno calibrate` (SmoothQuant factors for quantization w8a8)."""
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -12,6 +13,7 @@ from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_
                             PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig,
                             SpeculativeConfig)
 from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
+from inferno.core.startup_gc import gc_paused
 from inferno.engine.input_processor import PromptType
 from inferno.engine.llm_engine import LLMEngine
 from inferno.entrypoints.llm import LLM
@@ -141,8 +143,17 @@ def stream(engine: LLMEngine, prompt: PromptType, params: SamplingParams) -> str
     return "".join(pieces)
 
 
+def start_engine(args: argparse.Namespace) -> LLMEngine:
+    """The command's engine; what start-up built is then frozen out of the cyclic collector's scans (the command
+    owns its process: core/startup_gc.py)."""
+    with gc_paused():
+        engine = LLMEngine(engine_config(args))
+        gc.freeze()
+    return engine
+
+
 def run_generate(args: argparse.Namespace) -> None:
-    engine = LLMEngine(engine_config(args))
+    engine = start_engine(args)
     try:
         prompt = engine.input_processor.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         stream(engine, prompt, sampling_params(args))
@@ -151,7 +162,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> None:
-    engine = LLMEngine(engine_config(args))
+    engine = start_engine(args)
     try:
         chat_loop(engine, args)
     finally:

@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI routes, tokenizer routes, health and Prometheus metrics; `run_server` starts it."""
 import asyncio
+import gc
 import secrets
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from inferno.config import EngineConfig
+from inferno.core.startup_gc import gc_paused
 from inferno.engine.async_llm import AsyncLLM
 from inferno.engine.llm_engine import LLMEngine
 from inferno.server.cli_args import ServerConfig
@@ -163,7 +165,9 @@ def model_name_of(model_path: str) -> str:
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
-    engine = LLMEngine(engine_config)
+    with gc_paused():  # the server owns its process: start-up's objects out of the collector's scans for good
+        engine = LLMEngine(engine_config)
+        gc.freeze()
     model_name = config.served_model_name or model_name_of(engine.model_path)
     disable_created_metrics()  # no `_created` series next to every counter and histogram
     registry = CollectorRegistry()
