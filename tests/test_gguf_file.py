@@ -6,6 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
+from inferno.loader import gguf_file
 from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.tokenizer import Tokenizer
 from tiny_gguf import T, write_tiny_gguf
@@ -59,3 +60,46 @@ def test_damaged_file_is_a_clear_value_error(tiny_path, tmp_path, damage, messag
     damaged.write_bytes(damage(tiny_path.read_bytes()))
     with pytest.raises(ValueError, match=message):
         GGUFFile(str(damaged))
+
+
+STRINGS = ["", "plain", "wörld", "日本語", "🙂 emoji", "line\nbreak", "", "tab\tand\x00nul", "A-X-B", "last"]
+
+
+def write_strings(path: Path, strings: list[str]) -> Path:
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_array("test.strings", strings)
+    writer.add_array("test.many", [f"t{i}" for i in range(5000)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("native", [True, False])  # the native walk + bulk decode, or one string at a time
+def test_string_arrays_decode_as_the_reference_reader(tmp_path, monkeypatch, native):
+    """Empty strings, multi-byte characters and control bytes (the bulk decode splits the whole array at once)."""
+    if not native:
+        monkeypatch.setattr(gguf_file, "gguf_repack", lambda: None)
+    path = write_strings(tmp_path / "strings.gguf", STRINGS)
+    ours, reference = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+    assert ours.fields["test.strings"] == reference.fields["test.strings"].contents() == STRINGS
+    assert ours.fields["test.many"] == [f"t{i}" for i in range(5000)]
+
+
+@pytest.mark.parametrize("bad_byte", [0xFF, 0x80, 0xC3])  # the bulk decode's separator, a lone continuation, a cut lead
+def test_invalid_utf8_in_a_string_array_is_a_clear_value_error(tmp_path, bad_byte):
+    data = bytearray(write_strings(tmp_path / "strings.gguf", STRINGS).read_bytes())
+    data[data.index(b"A-X-B") + 2] = bad_byte
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="cannot read GGUF file.*UnicodeDecodeError"):
+        GGUFFile(str(damaged))
+
+
+def test_a_string_array_cut_short_is_a_clear_value_error(tmp_path):
+    data = write_strings(tmp_path / "strings.gguf", STRINGS).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:data.index(b"t4000")])
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        GGUFFile(str(cut))

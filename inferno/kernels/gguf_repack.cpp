@@ -7,6 +7,8 @@
 // 2. `gguf_to_q8`: Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 rows -> Q8Groups' signed int8 codes
 //    [N, K], float32 scales [N, K / G] and mins [N, K / G] (an empty tensor for the symmetric types), G = 16 for
 //    Q6_K, else 32.
+// 3. `gguf_string_offsets`: where the strings of a metadata array (a vocabulary, a merge list) start, the sequential
+//    walk over their length prefixes that Python would spend a loop iteration per string on.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -229,14 +231,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_to_q8(const at::Tensor& raw,
   return {codes, scales, mins};
 }
 
+// `count` strings from byte `pos` of `bytes` (uint8), each a u64 little-endian length and that many bytes -> int64
+// [count + 1]: where each string's bytes start, then the position after the last one. A string running past the
+// end of `bytes` is an error.
+at::Tensor gguf_string_offsets(const at::Tensor& bytes, int64_t pos, int64_t count) {
+  TORCH_CHECK(bytes.dim() == 1 && bytes.scalar_type() == at::kByte && bytes.is_contiguous(),
+              "bytes must be 1-D contiguous uint8");
+  TORCH_CHECK(pos >= 0 && count >= 0, "pos and count must not be negative");
+  const uint8_t* data = bytes.data_ptr<uint8_t>();
+  const uint64_t size = static_cast<uint64_t>(bytes.numel());
+  auto offsets = at::empty({count + 1}, at::kLong);
+  int64_t* out = offsets.data_ptr<int64_t>();
+  uint64_t here = static_cast<uint64_t>(pos);
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(here <= size && size - here >= 8, "a string array runs past the end of the file");
+    uint64_t length;
+    std::memcpy(&length, data + here, sizeof(length));
+    here += 8;
+    TORCH_CHECK(length <= size - here, "a string array runs past the end of the file");
+    out[i] = static_cast<int64_t>(here);
+    here += length;
+  }
+  out[count] = static_cast<int64_t>(here);
+  return offsets;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
+  m.def("gguf_string_offsets(Tensor bytes, int pos, int count) -> Tensor");
   m.def("gguf_to_int4(Tensor raw, int qtype, Tensor(a!) packed) -> ()");
   m.def("gguf_to_q8(Tensor raw, int qtype) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
+  m.impl("gguf_string_offsets", &gguf_string_offsets);
   m.impl("gguf_to_int4", &gguf_to_int4);
   m.impl("gguf_to_q8", &gguf_to_q8);
 }

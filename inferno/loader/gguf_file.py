@@ -7,6 +7,7 @@ metadata entry a key string (u64 length + UTF-8), a value type u32 and the value
 items); each tensor info a name, a dimension count u32, the dimensions u64 (innermost first), a GGML type u32 and a
 data offset u64; then the tensor data from the next multiple of `general.alignment` (default 32).
 """
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from inferno.kernels import gguf_repack
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -23,6 +26,7 @@ SCALAR_FORMATS = {
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
 SCALAR_DTYPES = {t: np.dtype(f) for t, f in SCALAR_FORMATS.items()}
+INVALID_UTF8 = re.compile("[\udc80-\udcfe]")  # what "surrogateescape" decodes invalid bytes (but 0xFF) to
 
 
 @dataclass(slots=True)
@@ -64,10 +68,28 @@ class GGUFFile:
         return self.fields.get(key, default)
 
 
+def bulk_decode(region: np.ndarray, starts: np.ndarray) -> list[str]:
+    """The strings of a string array's bytes `region` (each a u64 length, then UTF-8) starting at `starts`: each
+    length becomes one 0xFF byte, which UTF-8 never holds, the whole region is decoded once (0xFF to U+DCFF under
+    "surrogateescape") and split there. Invalid UTF-8 raises UnicodeDecodeError, as a one-by-one decode would."""
+    lengths = (starts - 8)[:, None] + np.arange(8)
+    marked = np.array(region)
+    marked[lengths[:, 0]] = 0xFF
+    keep = np.ones(len(region), dtype=bool)
+    keep[lengths[:, 1:]] = False
+    text = marked[keep].tobytes().decode("utf-8", "surrogateescape")
+    pieces = text.split("\udcff")
+    if len(pieces) != len(starts) + 1 or INVALID_UTF8.search(text):  # a 0xFF or another invalid byte inside
+        ends = np.append(starts[1:] - 8, len(region))
+        return [bytes(region[s:e]).decode("utf-8") for s, e in zip(starts, ends)]  # raises at the invalid one
+    return pieces[1:]
+
+
 class MetadataParser:
     def __init__(self, buffer: np.ndarray):
         self.buffer = buffer
         self.view = memoryview(buffer)
+        self.file_bytes = torch.from_numpy(buffer)  # one tensor for the whole map, shared by every tensor's view
         self.pos = 0
 
     def parse(self) -> tuple[dict[str, Any], list[GGUFTensor]]:
@@ -85,8 +107,7 @@ class MetadataParser:
         infos = [self.tensor_info() for _ in range(num_tensors)]
         alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
         data_start = -(-self.pos // alignment) * alignment
-        file_bytes = torch.from_numpy(self.buffer)
-        return fields, [self.tensor(data_start, file_bytes, *info) for info in infos]
+        return fields, [self.tensor(data_start, self.file_bytes, *info) for info in infos]
 
     def scalar(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self.view, self.pos)
@@ -117,7 +138,20 @@ class MetadataParser:
         return self.scalar(SCALAR_FORMATS[kind])
 
     def strings(self, count: int) -> list[str]:
-        """`count` length-prefixed strings in one tight pass (a vocabulary or a merge list)."""
+        """`count` length-prefixed strings (a vocabulary or a merge list): where they start found by the native
+        walk over their lengths when it is built, then decoded at once (`bulk_decode`); else one by one."""
+        ops = gguf_repack()
+        if ops is None or count == 0:
+            return self.strings_one_by_one(count)
+        try:
+            starts = ops.gguf_string_offsets(self.file_bytes, self.pos, count).numpy()
+        except RuntimeError as e:  # the native walk's bounds check
+            raise ValueError(str(e).splitlines()[0]) from e
+        out = bulk_decode(self.buffer[self.pos:starts[-1]], starts[:-1] - self.pos)
+        self.pos = int(starts[-1])
+        return out
+
+    def strings_one_by_one(self, count: int) -> list[str]:
         view, pos, out = self.view, self.pos, []
         unpack, size = struct.Struct("<Q").unpack_from, len(view)
         for _ in range(count):
