@@ -1,5 +1,6 @@
 """Weights swapped onto transparent huge pages in place: same addresses, same bytes (also for a reader running
 during the swap), only the pages nothing else writes; an engine's warm-up swaps its weights without changing a token."""
+import mmap
 import sys
 import threading
 
@@ -20,18 +21,20 @@ linux_thp = pytest.mark.skipif(sys.platform != "linux" or not huge_pages_enabled
                                reason="transparent huge pages are a Linux feature, here turned off")
 
 
-def test_movable_ranges_round_out_in_file_maps_and_in_elsewhere():
+def test_movable_ranges_round_out_in_file_maps_in_anonymous_memory_and_skip_shared_ones():
     base = 64 * HUGE_PAGE
-    file_map = Mapping(base + MIB, base + 9 * HUGE_PAGE + MIB, private_file=True, huge_advised=False)
-    heap = Mapping(base + 20 * HUGE_PAGE, base + 40 * HUGE_PAGE, private_file=False, huge_advised=False)
-    advised = Mapping(base + 50 * HUGE_PAGE, base + 60 * HUGE_PAGE, private_file=False, huge_advised=True)
+    file_map = Mapping(base + MIB, base + 9 * HUGE_PAGE + MIB, shared=False, file=True, huge_advised=False)
+    heap = Mapping(base + 20 * HUGE_PAGE, base + 40 * HUGE_PAGE, shared=False, file=False, huge_advised=False)
+    advised = Mapping(base + 50 * HUGE_PAGE, base + 60 * HUGE_PAGE, shared=False, file=False, huge_advised=True)
+    shared = Mapping(base + 70 * HUGE_PAGE, base + 80 * HUGE_PAGE, shared=True, file=True, huge_advised=False)
     weights = [(base + 3 * HUGE_PAGE + 5, base + 4 * HUGE_PAGE + 7),  # file: its huge pages, rounded out
                (base + 8 * HUGE_PAGE, base + 9 * HUGE_PAGE + MIB),  # file: up to the mapping's last whole page
                (base + 21 * HUGE_PAGE + 5, base + 24 * HUGE_PAGE + 7),  # heap: only the pages covered entirely
                (base + 30 * HUGE_PAGE + 3, base + 31 * HUGE_PAGE),  # heap: no page covered entirely
                (base + 39 * HUGE_PAGE, base + 45 * HUGE_PAGE),  # heap: clipped to the mapping
-               (base + 51 * HUGE_PAGE, base + 55 * HUGE_PAGE)]  # already advised for huge pages
-    assert movable_ranges(weights, [file_map, heap, advised]) == [
+               (base + 51 * HUGE_PAGE, base + 55 * HUGE_PAGE),  # already advised for huge pages
+               (base + 71 * HUGE_PAGE, base + 75 * HUGE_PAGE)]  # shared memory
+    assert movable_ranges(weights, [file_map, heap, advised, shared]) == [
         (base + 3 * HUGE_PAGE, base + 5 * HUGE_PAGE), (base + 8 * HUGE_PAGE, base + 9 * HUGE_PAGE),
         (base + 22 * HUGE_PAGE, base + 24 * HUGE_PAGE), (base + 39 * HUGE_PAGE, base + 40 * HUGE_PAGE)]
 
@@ -53,7 +56,9 @@ def test_weights_keep_their_addresses_and_bytes_while_a_reader_runs(tmp_path):
     path = tmp_path / "weights.bin"
     path.write_bytes(rng.integers(0, 256, 24 * MIB + 12345, dtype=np.uint8).tobytes())
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")[12345:])  # a private map of a file
-    heap = torch.randn(6 * MIB)  # 24 MiB of ordinary memory
+    private = mmap.mmap(-1, 24 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # fresh, as a large malloc's
+    heap = torch.frombuffer(private, dtype=torch.float32)
+    heap.copy_(torch.randn(heap.numel()))
     model = Weights(mapped, heap)
     expected = [mapped.clone(), heap.clone()]
     addresses = [mapped.data_ptr(), heap.data_ptr()]
@@ -76,7 +81,7 @@ def test_weights_keep_their_addresses_and_bytes_while_a_reader_runs(tmp_path):
     assert torch.equal(mapped, expected[0]) and torch.equal(heap, expected[1])
     assert reads and set(reads) == {(int(expected[0].sum(dtype=torch.int64)), float(expected[1].sum()))}
     middle = [mapping_of(t.data_ptr() + t.nbytes // 2) for t in (mapped, heap)]
-    assert all(m.huge_advised and not m.private_file for m in middle)
+    assert all(m.huge_advised and not m.file for m in middle)
     assert move_weights_to_huge_pages(model) == 0  # nothing left to move
 
 
@@ -86,17 +91,18 @@ def test_the_warm_up_moves_the_engines_weights_without_changing_a_token(tmp_path
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", T.Q4_K))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    moved = []
-    monkeypatch.setattr(model_runner, "move_weights_to_huge_pages", lambda model: moved.append(model))
+    calls = []  # (model, bytes moved or None): other engines' warm-ups (the suite's) may call too
+    monkeypatch.setattr(model_runner, "move_weights_to_huge_pages", lambda model: calls.append((model, None)))
     unmoved = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
     assert not unmoved.llm_engine.model_runner.wait_for_warm_up()
     expected = [o.outputs[0].token_ids for o in unmoved.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(model_runner, "move_weights_to_huge_pages",
-                        lambda model: moved.append(move_weights_to_huge_pages(model)))
+                        lambda model: calls.append((model, move_weights_to_huge_pages(model))))
     llm = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
     during = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.llm_engine.model_runner.wait_for_warm_up()
     after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert moved[0] is unmoved.llm_engine.model_runner.model and isinstance(moved[1], int)
+    assert any(m is unmoved.llm_engine.model_runner.model and n is None for m, n in calls)
+    assert any(m is llm.llm_engine.model_runner.model and isinstance(n, int) for m, n in calls)
     assert during == after == expected
     assert_all_blocks_free(llm.llm_engine)

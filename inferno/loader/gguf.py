@@ -49,7 +49,8 @@ GLOBAL_TENSORS = {
 
 
 def open_gguf(path: str) -> GGUFFile:
-    return GGUFFile(path)
+    ops = gguf_repack()
+    return GGUFFile(path, None if ops is None else ops.gguf_string_offsets)
 
 
 def read_config(gguf_file: GGUFFile) -> ModelConfig:

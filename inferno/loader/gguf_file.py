@@ -9,6 +9,7 @@ data offset u64; then the tensor data from the next multiple of `general.alignme
 """
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,6 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from inferno.kernels import gguf_repack
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -26,6 +26,9 @@ SCALAR_FORMATS = {
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
 SCALAR_DTYPES = {t: np.dtype(f) for t, f in SCALAR_FORMATS.items()}
+# (file bytes, position, count) -> where each of `count` length-prefixed strings starts, then the end: the native
+# `gguf_string_offsets` (kernels/gguf_repack.cpp), which the model loader passes in
+StringOffsets = Callable[[torch.Tensor, int, int], torch.Tensor]
 INVALID_UTF8 = re.compile("[\udc80-\udcfe]")  # what "surrogateescape" decodes invalid bytes (but 0xFF) to
 
 
@@ -50,9 +53,10 @@ class GGUFTensor:
 
 class GGUFFile:
     """`fields`: metadata key -> value (str, int, float, bool; arrays as lists, numeric ones as numpy arrays);
-    `tensors`: in file order."""
+    `tensors`: in file order. `string_offsets`: the native walk over a string array's lengths (the vocabulary and
+    merges then decode at once); without it, one string at a time."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, string_offsets: StringOffsets | None = None):
         self.path = path
         try:
             with open(path, "rb") as f:
@@ -60,7 +64,7 @@ class GGUFFile:
         except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
             raise ValueError(f"cannot read GGUF file {path}: {e}") from e
         try:
-            self.fields, self.tensors = MetadataParser(self.buffer).parse()
+            self.fields, self.tensors = MetadataParser(self.buffer, string_offsets).parse()
         except (struct.error, ValueError, UnicodeDecodeError, IndexError, KeyError) as e:
             raise ValueError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
 
@@ -86,8 +90,9 @@ def bulk_decode(region: np.ndarray, starts: np.ndarray) -> list[str]:
 
 
 class MetadataParser:
-    def __init__(self, buffer: np.ndarray):
+    def __init__(self, buffer: np.ndarray, string_offsets: StringOffsets | None = None):
         self.buffer = buffer
+        self.string_offsets = string_offsets
         self.view = memoryview(buffer)
         self.file_bytes = torch.from_numpy(buffer)  # one tensor for the whole map, shared by every tensor's view
         self.pos = 0
@@ -139,12 +144,11 @@ class MetadataParser:
 
     def strings(self, count: int) -> list[str]:
         """`count` length-prefixed strings (a vocabulary or a merge list): where they start found by the native
-        walk over their lengths when it is built, then decoded at once (`bulk_decode`); else one by one."""
-        ops = gguf_repack()
-        if ops is None or count == 0:
+        walk over their lengths where there is one, then decoded at once (`bulk_decode`); else one by one."""
+        if self.string_offsets is None or count == 0:
             return self.strings_one_by_one(count)
         try:
-            starts = ops.gguf_string_offsets(self.file_bytes, self.pos, count).numpy()
+            starts = self.string_offsets(self.file_bytes, self.pos, count).numpy()
         except RuntimeError as e:  # the native walk's bounds check
             raise ValueError(str(e).splitlines()[0]) from e
         out = bulk_decode(self.buffer[self.pos:starts[-1]], starts[:-1] - self.pos)

@@ -1,9 +1,9 @@
 """The weights moved onto transparent huge pages while the engine serves.
 
 A decode step reads every weight once; from 4 KiB pages that is a TLB miss every 4 KiB, from 2 MiB pages one per
-2 MiB (Qwen2.5-Coder-1.5B Q4_K_M decodes about 8 % faster on this project's machines). A GGUF file's blocks run
-from its memory map (4 KiB page-cache pages), and a weight built at load (a stacked gate/up projection) lands in
-ordinary heap pages. Copying them into huge pages before serving would delay the first token by the copy (and on a
+2 MiB (Qwen2.5-Coder-1.5B Q4_K_M decodes about 9 % faster on this project's machine). A GGUF file's blocks run
+from its memory map (4 KiB page-cache pages), and a weight built at load (a repack, a fused projection's copy)
+lands in ordinary heap pages. Copying them into huge pages before serving would delay the first token by the copy (and on a
 virtual machine, whose fresh memory the host backs on first touch, by about 2 s per GiB), so the copy runs in the
 model runner's background warm-up instead, and each 2 MiB-aligned range is swapped in place: the bytes are copied
 into a new anonymous mapping advised for huge pages, which `mremap` then moves over the old range. The addresses
@@ -12,8 +12,9 @@ old pages or the new ones, never anything else (the kernel swaps the page tables
 
 Only bytes nothing writes may move: in a private map of a file (the GGUF file's, which holds nothing but the
 file) every 2 MiB page with weight bytes in it, elsewhere only the 2 MiB pages that weights cover entirely (a heap
-page shared with other objects could be written during the copy). Linux only; ranges already advised for huge
-pages are skipped, and nothing moves where the copy would not fit in the memory available.
+page shared with other objects could be written during the copy). Shared mappings never move (their pages are
+someone else's too). Linux only; ranges already advised for huge pages are skipped, and nothing moves where the copy
+would not fit in the memory available.
 """
 import ctypes
 import ctypes.util
@@ -41,7 +42,8 @@ class Mapping:
     """One line of /proc/self/maps (with its smaps VmFlags)."""
     start: int
     end: int
-    private_file: bool  # a private (copy-on-write) map of a file
+    shared: bool  # MAP_SHARED (shared memory, a file written through): never moved
+    file: bool  # maps a file (else anonymous memory)
     huge_advised: bool  # VmFlags "hg": faults there already take huge pages
 
 
@@ -52,7 +54,7 @@ def read_mappings() -> list[Mapping]:
             head = line.split(maxsplit=6)
             if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
                 start, end = (int(a, 16) for a in head[0].split("-"))
-                current = Mapping(start, end, head[1].endswith("p") and head[4] != "0", False)  # inode 0: anonymous
+                current = Mapping(start, end, head[1].endswith("s"), head[4] != "0", False)  # inode 0: anonymous
                 mappings.append(current)
             elif head[0] == "VmFlags:" and current is not None:
                 current.huge_advised = "hg" in line.split()[1:]
@@ -74,17 +76,17 @@ def weight_ranges(model: torch.nn.Module) -> list[tuple[int, int]]:
 
 
 def movable_ranges(weights: list[tuple[int, int]], mappings: list[Mapping]) -> list[tuple[int, int]]:
-    """2 MiB-aligned ranges to swap, in the mappings holding weights and not yet advised for huge pages: in a
-    private map of a file, every huge page holding weight bytes (within the mapping); elsewhere the huge pages the
-    weights cover entirely."""
+    """2 MiB-aligned ranges to swap, in the private mappings holding weights and not yet advised for huge pages: in
+    a map of a file, every huge page holding weight bytes (within the mapping); in anonymous memory the huge pages
+    the weights cover entirely."""
     ranges: list[tuple[int, int]] = []
     for m in mappings:
-        if m.huge_advised:
+        if m.huge_advised or m.shared:
             continue
         for s, e in weights:
             if s >= m.end or e <= m.start:
                 continue
-            if m.private_file:
+            if m.file:
                 s, e = s // HUGE_PAGE * HUGE_PAGE, -(-e // HUGE_PAGE) * HUGE_PAGE
             s, e = max(s, m.start), min(e, m.end)
             s, e = -(-s // HUGE_PAGE) * HUGE_PAGE, e // HUGE_PAGE * HUGE_PAGE

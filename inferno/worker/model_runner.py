@@ -129,7 +129,10 @@ class ModelRunner:
         if compile_decode:
             self._compile_decode_step()
         if self.device.type == "cpu":
-            move_weights_to_huge_pages(self.model)
+            try:
+                move_weights_to_huge_pages(self.model)
+            except Exception:  # an optimisation: serving goes on from the pages the weights are on
+                logger.exception("moving the weights onto huge pages failed; they stay where they are")
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
