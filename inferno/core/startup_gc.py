@@ -15,12 +15,15 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic collection inside the block (reference counting still frees everything else)."""
+def gc_paused(freeze: bool = False) -> Iterator[None]:
+    """No cyclic collection inside the block (reference counting still frees everything else); `freeze`: what
+    exists when the block ends is left out of every later collection (`gc.freeze`)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
+        if freeze:
+            gc.freeze()
     finally:
         if was_enabled:
             gc.enable()

@@ -1,7 +1,6 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come; `inferno serve`;
 `inferno calibrate` (SmoothQuant factors for quantization w8a8)."""
 import argparse
-import gc
 import json
 import logging
 import sys
@@ -146,10 +145,8 @@ def stream(engine: LLMEngine, prompt: PromptType, params: SamplingParams) -> str
 def start_engine(args: argparse.Namespace) -> LLMEngine:
     """The command's engine; what start-up built is then frozen out of the cyclic collector's scans (the command
     owns its process: core/startup_gc.py)."""
-    with gc_paused():
-        engine = LLMEngine(engine_config(args))
-        gc.freeze()
-    return engine
+    with gc_paused(freeze=True):
+        return LLMEngine(engine_config(args))
 
 
 def run_generate(args: argparse.Namespace) -> None:

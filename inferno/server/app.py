@@ -1,6 +1,5 @@
 """The FastAPI app: OpenAI routes, tokenizer routes, health and Prometheus metrics; `run_server` starts it."""
 import asyncio
-import gc
 import secrets
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -165,9 +164,8 @@ def model_name_of(model_path: str) -> str:
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
-    with gc_paused():  # the server owns its process: start-up's objects out of the collector's scans for good
+    with gc_paused(freeze=True):  # the server owns its process: start-up's objects out of later collections
         engine = LLMEngine(engine_config)
-        gc.freeze()
     model_name = config.served_model_name or model_name_of(engine.model_path)
     disable_created_metrics()  # no `_created` series next to every counter and histogram
     registry = CollectorRegistry()
