@@ -12,13 +12,13 @@ from torch import nn
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.worker import model_runner
-from inferno.worker.huge_pages import (HUGE_PAGE, Mapping, huge_pages_enabled, move_weights_to_huge_pages,
+from inferno.worker.huge_pages import (HUGE_PAGE, Mapping, huge_page_size, move_weights_to_huge_pages,
                                        movable_ranges, read_mappings, weight_ranges)
 from tiny_gguf import T, write_tiny_gguf
 
 MIB = 1 << 20
-linux_thp = pytest.mark.skipif(sys.platform != "linux" or not huge_pages_enabled(),
-                               reason="transparent huge pages are a Linux feature, here turned off")
+linux_thp = pytest.mark.skipif(sys.platform != "linux" or huge_page_size() != HUGE_PAGE,
+                               reason="transparent huge pages of 2 MiB are a Linux feature, here off or of another size")
 
 
 def test_movable_ranges_round_out_in_file_maps_in_anonymous_memory_and_skip_shared_ones():

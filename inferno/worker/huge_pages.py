@@ -30,10 +30,10 @@ from inferno.worker.kv_cache import available_memory
 
 logger = logging.getLogger("inferno")
 
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # x86-64's (and a 4 KiB-page arm64 kernel's); read from the kernel where it says
 MADV_HUGEPAGE = 14
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP = "/sys/kernel/mm/transparent_hugepage"
 CHUNK = 64 << 20  # bytes swapped at a time: the copy's extra memory at any moment
 
 
@@ -75,10 +75,11 @@ def weight_ranges(model: torch.nn.Module) -> list[tuple[int, int]]:
     return merged
 
 
-def movable_ranges(weights: list[tuple[int, int]], mappings: list[Mapping]) -> list[tuple[int, int]]:
-    """2 MiB-aligned ranges to swap, in the private mappings holding weights and not yet advised for huge pages: in
-    a map of a file, every huge page holding weight bytes (within the mapping); in anonymous memory the huge pages
-    the weights cover entirely."""
+def movable_ranges(weights: list[tuple[int, int]], mappings: list[Mapping],
+                   page: int = HUGE_PAGE) -> list[tuple[int, int]]:
+    """Huge-page-aligned ranges to swap (`page` bytes a page), in the private mappings holding weights and not yet
+    advised for huge pages: in a map of a file, every huge page holding weight bytes (within the mapping); in
+    anonymous memory the huge pages the weights cover entirely."""
     ranges: list[tuple[int, int]] = []
     for m in mappings:
         if m.huge_advised or m.shared:
@@ -87,9 +88,9 @@ def movable_ranges(weights: list[tuple[int, int]], mappings: list[Mapping]) -> l
             if s >= m.end or e <= m.start:
                 continue
             if m.file:
-                s, e = s // HUGE_PAGE * HUGE_PAGE, -(-e // HUGE_PAGE) * HUGE_PAGE
+                s, e = s // page * page, -(-e // page) * page
             s, e = max(s, m.start), min(e, m.end)
-            s, e = -(-s // HUGE_PAGE) * HUGE_PAGE, e // HUGE_PAGE * HUGE_PAGE
+            s, e = -(-s // page) * page, e // page * page
             if s >= e:
                 continue
             if ranges and s <= ranges[-1][1]:
@@ -99,12 +100,17 @@ def movable_ranges(weights: list[tuple[int, int]], mappings: list[Mapping]) -> l
     return ranges
 
 
-def huge_pages_enabled() -> bool:
+def huge_page_size() -> int:
+    """Bytes in a transparent huge page here (2 MiB on x86-64, 512 MiB on a 64 KiB-page arm64 kernel); 0 where
+    transparent huge pages are off or unknown."""
     try:
-        with open(THP_SETTING) as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
+        with open(f"{THP}/enabled") as f:
+            if "[never]" in f.read():
+                return 0
+        with open(f"{THP}/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
 
 
 class Libc:
@@ -121,25 +127,25 @@ class Libc:
         self.mremap.restype, self.mremap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t,
                                                                       ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 
-    def aligned_huge_region(self, size: int) -> int:
-        """A new private anonymous mapping of `size` bytes at a 2 MiB-aligned address, advised for huge pages."""
-        raw = self.mmap(None, size + HUGE_PAGE, mmap.PROT_READ | mmap.PROT_WRITE,
+    def aligned_huge_region(self, size: int, page: int) -> int:
+        """A new private anonymous mapping of `size` bytes at a `page`-aligned address, advised for huge pages."""
+        raw = self.mmap(None, size + page, mmap.PROT_READ | mmap.PROT_WRITE,
                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
         if raw in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), "mmap failed")
-        start = -(-raw // HUGE_PAGE) * HUGE_PAGE
+        start = -(-raw // page) * page
         if start > raw:
             self.munmap(raw, start - raw)
-        if raw + HUGE_PAGE > start:
-            self.munmap(start + size, raw + HUGE_PAGE - start)
+        if raw + page > start:
+            self.munmap(start + size, raw + page - start)
         if self.madvise(start, size, MADV_HUGEPAGE) != 0:
             self.munmap(start, size)
             raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE) failed")
         return start
 
-    def swap_in_huge_pages(self, start: int, size: int) -> None:
+    def swap_in_huge_pages(self, start: int, size: int, page: int) -> None:
         """Copy [start, start + size) into huge pages and move them over the old range."""
-        region = self.aligned_huge_region(size)
+        region = self.aligned_huge_region(size, page)
         ctypes.memmove(region, start, size)
         if self.mremap(region, size, size, MREMAP_MAYMOVE | MREMAP_FIXED, start) != start:
             errno = ctypes.get_errno()
@@ -149,10 +155,11 @@ class Libc:
 
 def move_weights_to_huge_pages(model: torch.nn.Module) -> int:
     """Swap the model's weights onto transparent huge pages in place (see the module's notes); the bytes moved."""
-    if sys.platform != "linux" or not huge_pages_enabled():
+    page = huge_page_size() if sys.platform == "linux" else 0
+    if page == 0:
         return 0
     start_time = time.perf_counter()
-    ranges = movable_ranges(weight_ranges(model), read_mappings())
+    ranges = movable_ranges(weight_ranges(model), read_mappings(), page)
     total = sum(e - s for s, e in ranges)
     if total == 0:
         return 0
@@ -164,9 +171,9 @@ def move_weights_to_huge_pages(model: torch.nn.Module) -> int:
     moved = 0
     try:
         for start, end in ranges:
-            for at in range(start, end, CHUNK):
-                size = min(CHUNK, end - at)
-                libc.swap_in_huge_pages(at, size)
+            for at in range(start, end, max(CHUNK, page)):
+                size = min(max(CHUNK, page), end - at)
+                libc.swap_in_huge_pages(at, size, page)
                 moved += size
     except OSError as e:
         logger.warning("moving the weights onto huge pages stopped after %.2f GiB: %s", moved / 2**30, e)
