@@ -1,7 +1,8 @@
 """The weights moved onto transparent huge pages while the engine serves.
 
 A decode step reads every weight once; from 4 KiB pages that is a TLB miss every 4 KiB, from 2 MiB pages one per
-2 MiB (Qwen2.5-Coder-1.5B Q4_K_M decodes about 9 % faster on this project's machine). A GGUF file's blocks run
+2 MiB (Qwen2.5-Coder-1.5B Q4_K_M decodes about 4 % faster on this project's AMD machine, whose TLB
+already merges runs of contiguous 4 KiB pages of the page cache's large folios). A GGUF file's blocks run
 from its memory map (4 KiB page-cache pages), and a weight built at load (a repack, a fused projection's copy)
 lands in ordinary heap pages. Copying them into huge pages before serving would delay the first token by the copy (and on a
 virtual machine, whose fresh memory the host backs on first touch, by about 2 s per GiB), so the copy runs in the
