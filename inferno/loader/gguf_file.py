@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 SCALAR_FORMATS = {
@@ -112,7 +111,7 @@ class MetadataParser:
         infos = [self.tensor_info() for _ in range(num_tensors)]
         alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
         data_start = -(-self.pos // alignment) * alignment
-        return fields, [self.tensor(data_start, self.file_bytes, *info) for info in infos]
+        return fields, [self.tensor(data_start, *info) for info in infos]
 
     def scalar(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self.view, self.pos)
@@ -176,8 +175,8 @@ class MetadataParser:
         kind = GGMLQuantizationType(self.scalar("<I"))
         return name, tuple(int(d) for d in dims[::-1]), kind, self.scalar("<Q")
 
-    def tensor(self, data_start: int, file_bytes: torch.Tensor, name: str, shape: tuple[int, ...],
-               kind: GGMLQuantizationType, offset: int) -> GGUFTensor:
+    def tensor(self, data_start: int, name: str, shape: tuple[int, ...], kind: GGMLQuantizationType,
+               offset: int) -> GGUFTensor:
         block_size, type_size = GGML_QUANT_SIZES[kind]
         if shape[-1] % block_size:
             raise ValueError(f"tensor {name!r} has rows of {shape[-1]} values, not whole {kind.name} blocks")
@@ -187,5 +186,5 @@ class MetadataParser:
         if start + num_bytes > len(self.buffer):
             raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
         data = self.buffer[start:start + num_bytes].reshape(*shape[:-1], row_bytes)
-        return GGUFTensor(name, kind, shape, data, file_bytes)
+        return GGUFTensor(name, kind, shape, data, self.file_bytes)
 

@@ -142,7 +142,8 @@ class ModelRunner:
         plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
         logits = self.run_step(plan.step)
         output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
-        self.first_step_done.set()
+        if not self.first_step_done.is_set():  # once: Event.set takes a lock
+            self.first_step_done.set()
         return output
 
     @torch.inference_mode()
