@@ -2,6 +2,11 @@
 against float32/float64 PyTorch references: every row count of a decode step and more, output rows that fill no
 whole thread chunk or row block, columns ending in a partial chunk, every group size, with and without mins,
 extreme codes; the builds are keyed by the CPU."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -173,3 +178,14 @@ def test_builds_are_keyed_by_the_cpu():
     # what the build compiles is in the name too: another flag, another source
     assert extension_name("inferno_quantized_gemv", "quantized_gemv.cpp", ["-O2"]) != name
     assert extension_name("inferno_quantized_gemv", "q4_k_gemv.cpp", ["-O3"]) != name
+
+
+@pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")
+def test_a_built_kernel_loads_without_the_compiler_toolchain():
+    """Built once (above), a new process loads the cached library directly: cpp_extension (and setuptools, 0.1 s
+    of every start-up) is never imported."""
+    check = ("import sys; from inferno.kernels import quantized_gemv; assert quantized_gemv() is not None; "
+             "print('torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert out.stdout.strip() == "False"
