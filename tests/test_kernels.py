@@ -173,11 +173,11 @@ def test_builds_are_keyed_by_the_cpu():
     assert cpu_key(info) == cpu_key({**info, "flags": "avx2 fma fpu sse2 avx"})  # order does not matter
     assert cpu_key(info) != cpu_key({**info, "flags": info["flags"] + " avx512f"})
     assert cpu_key(info) != cpu_key({**info, "model name": "Intel Xeon"})
-    name = extension_name("inferno_quantized_gemv", "quantized_gemv.cpp", ["-O3"])
+    name = extension_name("inferno_quantized_gemv", ("quantized_gemv.cpp",), ["-O3"])
     assert len(cpu_key()) == 8 and name.startswith(f"inferno_quantized_gemv_{cpu_key()}_")
     # what the build compiles is in the name too: another flag, another source
-    assert extension_name("inferno_quantized_gemv", "quantized_gemv.cpp", ["-O2"]) != name
-    assert extension_name("inferno_quantized_gemv", "q4_k_gemv.cpp", ["-O3"]) != name
+    assert extension_name("inferno_quantized_gemv", ("quantized_gemv.cpp",), ["-O2"]) != name
+    assert extension_name("inferno_quantized_gemv", ("q4_k_gemv.cpp",), ["-O3"]) != name
 
 
 @pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import FLOAT32, prefill_logits
 from inferno import LLM
 from inferno.entrypoints.cli import main
+from inferno.kernels import w8a8_activations
 from inferno.layers.activation_calibration import SMOOTHING, smoothing_factors
 from inferno.layers.w8a8 import W8A8_FROM_ROWS, W8A8Linear, hadamard, quantize_w8a8, rotate
 from test_architectures import prompts
@@ -75,6 +76,27 @@ def test_w8a8_linear_is_close_to_float():
     layer.native = False  # the integer product on the PyTorch path: the same integers, the same result
     torch.testing.assert_close(layer(x), W8A8Linear(linear.weight, linear.bias, 1 / smoothing, rotated=True)(x),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(w8a8_activations() is None, reason="no C++ compiler for the native kernels")
+@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("in_features", [256, 1536, 24])  # 24: a rotation block of 8, narrower than a vector
+def test_native_input_quantization_matches_pytorch(rotated, in_features):
+    """The one-pass kernel (scale, Hadamard transform, quantize) gives the PyTorch path's row scales and codes; a
+    code may differ by one where the transform and the matmul round a tie differently. bfloat16 rows as their float32
+    values."""
+    torch.manual_seed(in_features)
+    x = torch.randn(37, in_features) * 3
+    x[:, 5] *= 40  # an outlier channel
+    layer = W8A8Linear(torch.randn(16, in_features), None, torch.rand(in_features) + 0.5, rotated=rotated)
+    assert layer.kernels is not None
+    for rows in (x, x.bfloat16()):
+        codes, scales = layer.quantize_input(rows)
+        ref_codes, ref_scales = W8A8Linear.quantize_rows(layer.prepare_input(rows))
+        torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+        difference = (codes.int() - ref_codes.int()).abs()
+        assert difference.max().item() <= 1 and (difference > 0).float().mean().item() < 1e-3
+        assert codes.dtype == torch.uint8 and codes.float().sub(128).abs().amax(dim=1).eq(127).all()
 
 
 def test_folded_smoothing_leaves_the_float_model_unchanged(tiny_folder, calibration_file):

@@ -27,23 +27,23 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inferno" / "kernels"
 
 
-def extension_name(name: str, source: str, cflags: list[str]) -> str:
+def extension_name(name: str, sources: tuple[str, ...], cflags: list[str]) -> str:
     """`name` keyed by the CPU and by what the build compiles: a `-march=native` build cached in the home folder,
     which can outlive the CPU it was built for (a home moved or shared between machines), is rebuilt on another CPU
     instead of dying there on an illegal instruction, and a changed source, header, flag or torch is rebuilt too."""
     digest = hashlib.sha256(" ".join([*cflags, torch.__version__]).encode())
-    for path in [KERNELS / source, *sorted(KERNELS.glob("*.h"))]:
+    for path in [*(KERNELS / source for source in sources), *sorted(KERNELS.glob("*.h"))]:
         digest.update(path.read_bytes())
     return f"{name}_{cpu_key()}_{digest.hexdigest()[:12]}"
 
 
-def _build(name: str, source: str, fallback: str, extra_cflags: tuple[str, ...] = ()) -> bool:
-    """Load `source`'s cached build, or compile and load it (its operators register on load); False, with a
-    warning, when that fails."""
+def _build(name: str, sources: tuple[str, ...], fallback: str, extra_cflags: tuple[str, ...] = ()) -> bool:
+    """Load the cached build of `sources` (one library), or compile and load it (its operators register on load);
+    False, with a warning, when that fails."""
     if os.environ.get("INFERNO_DISABLE_CPP_KERNELS") == "1":
         return False
     cflags = ["-O3", "-march=native", *extra_cflags, "-fopenmp"]
-    full_name = extension_name(name, source, cflags)
+    full_name = extension_name(name, sources, cflags)
     folder = kernel_cache_dir() / full_name
     library = folder / f"{full_name}.so"
     if library.is_file():
@@ -55,24 +55,31 @@ def _build(name: str, source: str, fallback: str, extra_cflags: tuple[str, ...] 
     try:
         from torch.utils import cpp_extension
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=full_name, sources=[str(KERNELS / source)], extra_cflags=cflags,
+        cpp_extension.load(name=full_name, sources=[str(KERNELS / source) for source in sources],
+                           extra_cflags=cflags,
                            extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
                            verbose=False)
         return True
     except Exception as e:  # no compiler / ninja / headers: keep serving on the PyTorch path
-        logger.warning("native kernel %s unavailable (%s: %s); %s", source, type(e).__name__,
+        logger.warning("native kernel %s unavailable (%s: %s); %s", " + ".join(sources), type(e).__name__,
                        str(e).splitlines()[0] if str(e) else "", fallback)
         return False
 
 
 @functools.cache
 def paged_attention():
-    """The `torch.ops.inferno` namespace holding `paged_decode_attention`, or None when it cannot be built."""
-    if not _build("inferno_paged_attention_op", "paged_attention.cpp", "using the PyTorch attention path"):
+    """The `torch.ops.inferno` namespace holding `paged_decode_attention` and `paged_prefill_attention`, or None
+    when they cannot be built."""
+    if not _build("inferno_paged_attention_op", ("paged_attention.cpp", "prefill_attention.cpp"),
+                  "using the PyTorch attention path"):
         return None
 
     @torch.library.register_fake("inferno::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window=0):  # shapes for torch.compile's tracing
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("inferno::paged_prefill_attention")
+    def _(q, k_cache, v_cache, block_table, num_computed, scale, window=0):
         return torch.empty_like(q)
 
     return torch.ops.inferno
@@ -84,7 +91,7 @@ def quantized_gemv():
     `int8_group_dequantize`, `int8_q8_matmul` / `int4_q8_matmul` (rows quantized to int8 times signed int8 groups
     of 16 or 32 / group-wise int4) and their float32 / bfloat16 dequantizers `int8_q8_dequantize` /
     `int4_dequantize` (see quantized_gemv.cpp), or None when they cannot be built."""
-    if not _build("inferno_quantized_gemv", "quantized_gemv.cpp", "using dequantize + F.linear",
+    if not _build("inferno_quantized_gemv", ("quantized_gemv.cpp",), "using dequantize + F.linear",
                   ("-ffp-contract=fast",)):
         return None
 
@@ -119,7 +126,7 @@ def _super_block_gemv(qtype: T) -> bool:
     """Builds `{type}_matmul` (rows quantized to int8 times GGUF K-quant super-blocks as stored) and
     `{type}_dequantize` (to float32 / bfloat16) from `{type}_gemv.cpp`, with their shapes for torch.compile."""
     op = qtype.name.lower()
-    if not _build(f"inferno_{op}_gemv", f"{op}_gemv.cpp", "using dequantize + F.linear"):
+    if not _build(f"inferno_{op}_gemv", (f"{op}_gemv.cpp",), "using dequantize + F.linear"):
         return False
     values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
 
@@ -156,7 +163,7 @@ Q8_WITH_MINS = {T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K}
 def gguf_repack():
     """The `torch.ops.inferno` namespace holding `gguf_to_int4` and `gguf_to_q8` (raw GGUF blocks -> the int4
     kernel's rows / Q8Groups' codes, scales and mins, see gguf_repack.cpp), or None when they cannot be built."""
-    if not _build("inferno_gguf_repack", "gguf_repack.cpp", "repacking GGUF blocks with PyTorch ops"):
+    if not _build("inferno_gguf_repack", ("gguf_repack.cpp",), "repacking GGUF blocks with PyTorch ops"):
         return None
 
     @torch.library.register_fake("inferno::gguf_to_q8")
@@ -169,3 +176,17 @@ def gguf_repack():
 
     return torch.ops.inferno
 
+
+
+@functools.cache
+def w8a8_activations():
+    """The `torch.ops.inferno` namespace holding `w8a8_quantize_rows` (a W8A8 projection's input scaled, rotated and
+    quantized to bytes in one pass, see w8a8_activations.cpp), or None when it cannot be built."""
+    if not _build("inferno_w8a8_activations", ("w8a8_activations.cpp",), "quantizing activations with PyTorch ops"):
+        return None
+
+    @torch.library.register_fake("inferno::w8a8_quantize_rows")
+    def _(x, input_scales, rotation_block):
+        return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape[0], 1, dtype=torch.float)
+
+    return torch.ops.inferno

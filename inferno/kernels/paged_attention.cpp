@@ -13,7 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#include "float_vectors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,84 +24,9 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t LANES = 16;
-#else
-constexpr int64_t LANES = 8;
-#endif
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kAccumulators = LANES == 16 ? 16 : 8;  // vector sums weigh_values keeps in registers
 constexpr int64_t kMinSplitTokens = 128;  // below this, a split's fixed cost outweighs the parallelism it adds
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-typedef float floatv __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t intv __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint32_t uintv __attribute__((vector_size(LANES * sizeof(uint32_t))));
-typedef uint16_t ushortv __attribute__((vector_size(LANES * sizeof(uint16_t))));
-
-inline floatv load(const float* p) {
-  floatv v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline floatv load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  ushortv h;
-  std::memcpy(&h, p, sizeof(h));
-  return (floatv)(__builtin_convertvector(h, uintv) << 16);
-}
-
-inline floatv load(const c10::Half* p) {
-#if defined(__AVX512F__)
-  return (floatv)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  return (floatv)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  floatv v;
-  for (int64_t i = 0; i < LANES; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-#endif
-}
-
-inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof(v)); }
-
-// Cache rows are scattered over the pool block by block: fetch the next keys (and each key's value) ahead.
-template <typename T>
-inline void prefetch_row(const T* row, int64_t head_dim) {
-  for (int64_t i = 0; i < head_dim * static_cast<int64_t>(sizeof(T)); i += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
-}
-
-inline floatv splat(float x) { return floatv{} + x; }
-
-inline float max_lanes(floatv v) {
-  float m = v[0];
-  for (int64_t i = 1; i < LANES; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-inline float sum_lanes(floatv v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < LANES; ++i) s += v[i];
-  return s;
-}
-
-// exp(x) for x <= 0 (scores minus their max), relative error ~1e-7; 0 below -87 (and for -inf, masked keys).
-inline floatv exp_lanes(floatv x) {
-  const intv live = x > -87.f;
-  x = x < -87.f ? splat(-87.f) : x;
-  const floatv shifted = x * 1.44269504f + 12582912.f;  // 1.5 * 2^23: rounds x / ln 2 to an integer n
-  const floatv n = shifted - 12582912.f;
-  const floatv r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 split in two for an exact reduction
-  floatv p = splat(1.f / 720) * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const intv two_n = ((intv)shifted - 0x4B400000 + 127) << 23;  // 2^n built in the exponent bits
-  return (floatv)((intv)(p * (floatv)two_n) & live);
-}
 
 // s[j] = sum of the lanes of v[j], for LANES vectors: pairs are folded in halves, quarters, ..., so that every add
 // serves all the sums at once (LANES - 1 adds instead of LANES horizontal sums).

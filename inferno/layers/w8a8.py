@@ -1,7 +1,9 @@
 """W8A8: int8 weights and int8 activations for prefill-sized batches, with calibrated SmoothQuant factors.
 
 Activations are quantized per token (row): x ≈ codes · absmax / 127, codes unsigned bytes with zero point 128;
-weights per output channel (absmax). The product runs in integers in oneDNN's u8 x s8 GEMM
+weights per output channel (absmax). The rows are scaled, rotated and quantized in one native pass
+(`w8a8_quantize_rows`, kernels/w8a8_activations.cpp; PyTorch ops without a compiler). The product runs in integers
+in oneDNN's u8 x s8 GEMM
 (`torch.ops.onednn.qlinear_pointwise`, float32 out, weight scales applied there) and the row scales multiply its
 output in place. `torch._int_mm` is a plain loop on CPU.
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferno.cpu_features import cpu_flags
+from inferno.kernels import w8a8_activations
 
 W8A8_FROM_ROWS = 16
 ACTIVATION_LEVELS = 127
@@ -73,6 +76,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.register_buffer("weight_zero_points", torch.zeros(self.out_features, dtype=torch.long))
         self.native = torch.backends.mkldnn.is_available()
+        self.kernels = w8a8_activations()
         self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None) if self.native else None
 
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,9 +92,17 @@ class W8A8Linear(nn.Module):
         scales = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(ACTIVATION_LEVELS)
         return x.div(scales).round_().add_(ACTIVATION_ZERO_POINT).to(torch.uint8), scales
 
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] as it arrives -> the codes and row scales of its prepared rows (one native pass where built)."""
+        if self.kernels is None:
+            return self.quantize_rows(self.prepare_input(x))
+        block = 0 if self.rotation is None else self.rotation.shape[0]
+        return self.kernels.w8a8_quantize_rows(x if x.dtype == torch.bfloat16 else x.float(), self.input_scales, block)
+
     def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The integer product of the quantized rows of x and the weight codes, scaled to float32 [M, N]."""
-        codes, row_scales = self.quantize_rows(x)
+        """The integer product of the quantized rows of x (as it arrives) and the weight codes, scaled to float32
+        [M, N]."""
+        codes, row_scales = self.quantize_input(x)
         if self.native:  # the row scales are applied after: the GEMM sees a scale of 1
             y = torch.ops.onednn.qlinear_pointwise(
                 codes, 1.0, ACTIVATION_ZERO_POINT, self.packed, self.scales, self.weight_zero_points,
@@ -101,11 +113,11 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = self.prepare_input(x.reshape(-1, shape[-1]))
+        x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] >= W8A8_FROM_ROWS:
-            y = self.int8_matmul(x2)
+            y = self.int8_matmul(x2.contiguous())
         else:
-            y = torch._weight_int8pack_mm(x2.bfloat16(), self.weight, self.scales_bf16).float()
+            y = torch._weight_int8pack_mm(self.prepare_input(x2).bfloat16(), self.weight, self.scales_bf16).float()
         y = y if self.bias is None else y.add_(self.bias)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 

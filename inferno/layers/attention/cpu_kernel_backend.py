@@ -1,10 +1,12 @@
-"""The native CPU decode kernel (inferno/kernels/paged_attention.cpp): reads K/V through the block tables in place,
-all decode rows in one call, sliding windows included; prefills as in the PyTorch backend."""
+"""The native CPU kernels (inferno/kernels/paged_attention.cpp, prefill_attention.cpp): read K/V through the block
+tables in place, sliding windows included; all decode rows in one call, each prefill chunk in one call (flash
+attention over the chunk and the context cached before it)."""
 import torch
 
+from inferno.core.kv_blocks import cdiv
 from inferno.kernels import paged_attention
 from inferno.layers.attention.layer import Attention
-from inferno.layers.attention.metadata import DecodeGroup
+from inferno.layers.attention.metadata import DecodeGroup, PrefillChunk
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
 
 
@@ -32,6 +34,16 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     def _group(self, start: int, tables: torch.Tensor, seq_lens: torch.Tensor) -> DecodeGroup:
         return DecodeGroup(start, start + tables.shape[0], tables, seq_lens)
+
+    def prefill_chunk(self, start: int, n: int, num_computed: int, block_ids: list[int]) -> PrefillChunk:
+        return PrefillChunk(start, start + n, num_computed,
+                            self._tensor(block_ids[:cdiv(num_computed + n, self.block_size)]))
+
+    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                chunk: PrefillChunk) -> torch.Tensor:
+        return self.kernels.paged_prefill_attention(q[chunk.start:chunk.end].contiguous(), layer.k_cache, layer.v_cache,
+                                                    chunk.block_table, chunk.num_computed_tokens, layer.scale,
+                                                    layer.sliding_window or 0)
 
     def decode(self, layer: Attention, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q.contiguous(), layer.k_cache, layer.v_cache, group.block_tables,

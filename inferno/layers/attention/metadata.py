@@ -13,8 +13,11 @@ class PrefillChunk:
     start: int  # first token of the chunk in the flat batch
     end: int
     num_computed_tokens: int  # tokens of this request already in the cache before the chunk
-    block_rows: torch.Tensor  # rows of the flattened cache holding this request's blocks (see block_rows)
-    mask: torch.Tensor | None  # [chunk, context] bool; None when there is no earlier context (plain causal)
+    block_table: torch.Tensor  # [blocks] long: the request's blocks up to the chunk's last token
+    # PyTorch path only: rows of the flattened cache holding this request's blocks (see block_rows) and
+    # [chunk, context] bool, None when there is no earlier context (plain causal)
+    block_rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
     window_mask: torch.Tensor | None = None  # the same limited to the sliding window (models that have one)
 
 

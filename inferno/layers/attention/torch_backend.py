@@ -79,7 +79,7 @@ class TorchAttentionBackend:
         window_mask = mask
         if window is not None and num_computed + n > window:  # HF: a query sees keys q - window < k <= q
             window_mask = (keys <= queries) & (keys > queries - window)
-        return PrefillChunk(start, start + n, num_computed, self._rows(table), mask, window_mask)
+        return PrefillChunk(start, start + n, num_computed, table, self._rows(table), mask, window_mask)
 
     def decode_group(self, start: int, decodes: list[tuple[int, list[int]]]) -> DecodeGroup:
         """Block tables padded to the group's longest request (with block 0, masked out) and sequence lengths."""
@@ -105,17 +105,21 @@ class TorchAttentionBackend:
         for group in meta.decode_groups:
             out[group.start:group.end] = self.decode(layer, q[group.start:group.end], group)
         for chunk in meta.prefills:
-            query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-            mask = chunk.window_mask if layer.sliding_window else chunk.mask
-            if chunk.mask is None:
-                keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-                values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-            else:
-                keys, values = gather_layer_kv(layer, chunk.block_rows, q.dtype)
-                keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-            attn = attend(query, keys, values, mask, layer.scale, layer.softcap)
-            out[chunk.start:chunk.end] = attn.squeeze(0).transpose(0, 1)
+            out[chunk.start:chunk.end] = self.prefill(layer, q, k, v, chunk)
         return out.view(q.shape[0], -1)
+
+    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                chunk: PrefillChunk) -> torch.Tensor:
+        """One prompt chunk's queries [n, H, D] against its own keys and the context cached before it."""
+        query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        mask = chunk.window_mask if layer.sliding_window else chunk.mask
+        if chunk.mask is None:
+            keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        else:
+            keys, values = gather_layer_kv(layer, chunk.block_rows, q.dtype)
+            keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+        return attend(query, keys, values, mask, layer.scale, layer.softcap).squeeze(0).transpose(0, 1)
 
     @staticmethod
     def write(layer: Attention, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -1,0 +1,239 @@
+// Prefill attention over a paged KV cache on the CPU: the queries of one prompt chunk against the keys before them
+// (the context already cached and the chunk itself, whose K/V the caller has written), causal, optionally limited to
+// a sliding window; K/V read through the block table in place. Registered as `inferno::paged_prefill_attention`.
+//
+// Flash attention: a work item is (kv head, block of kQueryBlock positions) with every query head of the group as
+// rows; it walks the keys in tiles of kKeyTile, keeps each row's running max, softmax denominator and unnormalised
+// output, and rescales them when the max grows, so no score matrix is ever whole. Per tile the keys are converted
+// once to float32 and transposed (keys in lanes), and both products are register-blocked micro-kernels: scores
+// [rows x keys] = queries x keys^T with the query value broadcast against a vector of keys, and output [rows x D]
+// += probabilities x values with a probability broadcast against a vector of a value row. Items are taken from a
+// shared counter, costliest (latest, most keys) first, so that the threads finish together.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "float_vectors.h"
+
+#include <atomic>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryBlock = 64;         // query positions per work item (times the group's heads: rows)
+constexpr int64_t kTileVectors = 2;         // score vectors per row of a key tile
+constexpr int64_t kKeyTile = kTileVectors * LANES;
+constexpr int64_t kScoreRows = LANES == 16 ? 6 : 4;   // rows per score micro-kernel (x kTileVectors accumulators)
+constexpr int64_t kOutputRows = LANES == 16 ? 4 : 2;  // rows x kOutputChunks accumulators per output micro-kernel
+constexpr int64_t kOutputChunks = 4;
+
+struct Tile {  // one key tile, as float32
+  std::vector<float> keys;    // [head_dim][kKeyTile]: transposed, keys in lanes
+  std::vector<float> values;  // [kKeyTile][head_dim]
+};
+
+// scores[r, :] = q_r . keys for ROWS rows: one broadcast query value against each vector of keys per dimension
+template <int64_t ROWS>
+inline void score_rows(const float* q, const float* keys_t, float* scores, int64_t head_dim) {
+  floatv acc[ROWS][kTileVectors] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    floatv k[kTileVectors];
+    for (int64_t v = 0; v < kTileVectors; ++v) k[v] = load(keys_t + d * kKeyTile + v * LANES);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const floatv x = splat(q[r * head_dim + d]);
+      for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] += x * k[v];
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t v = 0; v < kTileVectors; ++v) store(scores + r * kKeyTile + v * LANES, acc[r][v]);
+}
+
+// out[r, c0:c0+CHUNKS] += sum_j p[r, j] values[j, c0:c0+CHUNKS] for ROWS rows, over the `keys` live keys
+template <int64_t ROWS, int64_t CHUNKS>
+inline void weigh_rows(const float* p, const float* values, float* out, int64_t keys, int64_t head_dim, int64_t c0) {
+  floatv acc[ROWS][CHUNKS];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < CHUNKS; ++c) acc[r][c] = load(out + r * head_dim + (c0 + c) * LANES);
+  for (int64_t j = 0; j < keys; ++j) {
+    floatv v[CHUNKS];
+    for (int64_t c = 0; c < CHUNKS; ++c) v[c] = load(values + j * head_dim + (c0 + c) * LANES);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const floatv x = splat(p[r * kKeyTile + j]);
+      for (int64_t c = 0; c < CHUNKS; ++c) acc[r][c] += x * v[c];
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < CHUNKS; ++c) store(out + r * head_dim + (c0 + c) * LANES, acc[r][c]);
+}
+
+template <int64_t ROWS>
+inline void weigh_row_block(const float* p, const float* values, float* out, int64_t keys, int64_t head_dim) {
+  const int64_t chunks = head_dim / LANES;
+  int64_t c = 0;
+  for (; c + kOutputChunks <= chunks; c += kOutputChunks)
+    weigh_rows<ROWS, kOutputChunks>(p, values, out, keys, head_dim, c);
+  for (; c < chunks; ++c) weigh_rows<ROWS, 1>(p, values, out, keys, head_dim, c);
+}
+
+// The key tile [t0, t0 + kKeyTile) of kv head h as float32 (keys at or past `end` read as zeros, which their -inf
+// scores never weigh)
+template <typename C>
+void load_tile(const C* k_cache, const C* v_cache, const int64_t* table, int64_t h, int64_t t0, int64_t end,
+               int64_t num_blocks, int64_t block_size, int64_t head_dim, Tile& tile) {
+  std::fill(tile.keys.begin(), tile.keys.end(), 0.f);
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    const int64_t t = t0 + j;
+    float* v_row = tile.values.data() + j * head_dim;
+    if (t >= end) {
+      std::fill(v_row, v_row + head_dim, 0.f);
+      continue;
+    }
+    const int64_t offset = ((h * num_blocks + table[t / block_size]) * block_size + t % block_size) * head_dim;
+    const C* k_row = k_cache + offset;
+    const C* v_src = v_cache + offset;
+    for (int64_t c = 0; c < head_dim; c += LANES) {
+      store(v_row + c, load(v_src + c));
+      const floatv k = load(k_row + c);
+      for (int64_t i = 0; i < LANES; ++i) tile.keys[(c + i) * kKeyTile + j] = k[i];
+    }
+  }
+}
+
+struct Rows {  // one work item's query rows: row r is position first + r / group, query head h * group + r % group
+  std::vector<float> q, out, scores;  // [rows][head_dim] (scaled), [rows][head_dim], [rows][kKeyTile]
+  std::vector<float> max, denom;      // [rows]
+};
+
+// Online softmax over one tile for row r (position `pos`): mask, new max, rescale, probabilities in place.
+inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t window, int64_t head_dim) {
+  float* s = rows.scores.data() + r * kKeyTile;
+  const int64_t lo = window > 0 ? pos - window + 1 : 0;  // keys [lo, pos] are visible
+  if (t0 < lo || t0 + kKeyTile - 1 > pos)
+    for (int64_t j = 0; j < kKeyTile; ++j)
+      if (t0 + j < lo || t0 + j > pos) s[j] = kNegInf;
+  floatv m = load(s);
+  for (int64_t v = 1; v < kTileVectors; ++v) {
+    const floatv x = load(s + v * LANES);
+    m = x > m ? x : m;
+  }
+  const float tile_max = max_lanes(m);
+  if (tile_max == kNegInf) {  // nothing visible in this tile
+    std::fill(s, s + kKeyTile, 0.f);
+    return;
+  }
+  const float old_max = rows.max[r], new_max = std::max(old_max, tile_max);
+  floatv sum{};
+  for (int64_t v = 0; v < kTileVectors; ++v) {
+    const floatv p = exp_lanes(load(s + v * LANES) - new_max);
+    store(s + v * LANES, p);
+    sum += p;
+  }
+  if (new_max > old_max) {
+    const float alpha = old_max == kNegInf ? 0.f : std::exp(old_max - new_max);
+    rows.denom[r] *= alpha;
+    float* o = rows.out.data() + r * head_dim;
+    for (int64_t c = 0; c < head_dim; c += LANES) store(o + c, load(o + c) * alpha);
+    rows.max[r] = new_max;
+  }
+  rows.denom[r] += sum_lanes(sum);
+}
+
+// T: the queries' and output's dtype; C: the caches' (float16 caches under a float32 model)
+template <typename T, typename C>
+void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, T* out, int64_t n,
+                    int64_t num_computed, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                    int64_t block_size, int64_t head_dim, float scale, int64_t window) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock, items = blocks * num_kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Tile tile{std::vector<float>(head_dim * kKeyTile), std::vector<float>(kKeyTile * head_dim)};
+    Rows rows;
+    for (int64_t item; (item = next.fetch_add(1)) < items;) {
+      const int64_t b = blocks - 1 - item / num_kv_heads, h = item % num_kv_heads;  // the latest blocks first
+      const int64_t first = b * kQueryBlock, count = std::min(kQueryBlock, n - first), num_rows = count * group;
+      rows.q.resize(num_rows * head_dim);
+      rows.out.assign(num_rows * head_dim, 0.f);
+      rows.scores.resize(num_rows * kKeyTile);
+      rows.max.assign(num_rows, kNegInf);
+      rows.denom.assign(num_rows, 0.f);
+      for (int64_t i = 0; i < count; ++i) {  // the group's heads of a position are adjacent in q
+        const T* src = q + ((first + i) * num_heads + h * group) * head_dim;
+        for (int64_t x = 0; x < group * head_dim; ++x) rows.q[i * group * head_dim + x] = static_cast<float>(src[x]) * scale;
+      }
+      const int64_t first_pos = num_computed + first, end = first_pos + count;  // keys [.., end) are needed
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
+        load_tile(k_cache, v_cache, table, h, t0, end, num_blocks, block_size, head_dim, tile);
+        const int64_t keys = std::min(kKeyTile, end - t0);
+        int64_t r = 0;
+        for (; r + kScoreRows <= num_rows; r += kScoreRows)
+          score_rows<kScoreRows>(rows.q.data() + r * head_dim, tile.keys.data(), rows.scores.data() + r * kKeyTile, head_dim);
+        for (; r < num_rows; ++r)
+          score_rows<1>(rows.q.data() + r * head_dim, tile.keys.data(), rows.scores.data() + r * kKeyTile, head_dim);
+        for (r = 0; r < num_rows; ++r) softmax_row(rows, r, first_pos + r / group, t0, window, head_dim);
+        for (r = 0; r + kOutputRows <= num_rows; r += kOutputRows)
+          weigh_row_block<kOutputRows>(rows.scores.data() + r * kKeyTile, tile.values.data(),
+                                       rows.out.data() + r * head_dim, keys, head_dim);
+        for (; r < num_rows; ++r)
+          weigh_row_block<1>(rows.scores.data() + r * kKeyTile, tile.values.data(), rows.out.data() + r * head_dim,
+                             keys, head_dim);
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        T* dst = out + ((first + i) * num_heads + h * group) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = i * group + g;
+          const float inv = 1.f / rows.denom[r];
+          for (int64_t d = 0; d < head_dim; ++d) dst[g * head_dim + d] = static_cast<T>(rows.out[r * head_dim + d] * inv);
+        }
+      }
+    }
+  });
+}
+
+// q [n, H, D]: the chunk's queries at positions num_computed .. num_computed + n - 1, their K/V already in the
+// caches [KVH, num_blocks, block_size, D]; block_table [W] int64 covering every position; D a multiple of 16;
+// window > 0: each query sees only the last `window` keys up to itself
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_table, int64_t num_computed, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "q [n, H, D], caches [KVH, B, S, D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kLong, "block_table: int64");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of the kv heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || (q.scalar_type() == at::kFloat &&
+                                                           k_cache.scalar_type() == at::kHalf),
+              "q and the caches must have one dtype (or a float32 q with float16 caches)");
+  TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16, got ", q.size(2));
+  TORCH_CHECK(num_computed >= 0 && block_table.size(0) * k_cache.size(2) >= num_computed + q.size(0),
+              "the block table must cover every position of the chunk");
+  auto out = at::empty_like(q);
+  const auto run = [&](auto* type, auto* cache_type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    prefill_kernel<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), block_table.data_ptr<int64_t>(),
+                         out.data_ptr<T>(), q.size(0), num_computed, q.size(1), k_cache.size(0), k_cache.size(1),
+                         k_cache.size(2), q.size(2), static_cast<float>(scale), window);
+  };
+  if (q.scalar_type() != k_cache.scalar_type()) {
+    run(static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
+    return out;
+  }
+  switch (q.scalar_type()) {
+    case at::kFloat: run(static_cast<float*>(nullptr), static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: run(static_cast<c10::Half*>(nullptr), static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "paged_prefill_attention: float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferno, m) {
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int num_computed, "
+        "float scale, int window=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
