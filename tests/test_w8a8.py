@@ -99,6 +99,28 @@ def test_native_input_quantization_matches_pytorch(rotated, in_features):
         assert codes.dtype == torch.uint8 and codes.float().sub(128).abs().amax(dim=1).eq(127).all()
 
 
+@pytest.mark.skipif(w8a8_activations() is None, reason="no C++ compiler for the native kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_output_scaling_matches_pytorch(dtype, bias):
+    """The GEMM's output times the row scales plus the bias in one pass, in the input's dtype: the PyTorch ops'
+    result (float32 to rounding; bfloat16 at most one unit in the last place apart, where a fused multiply-add
+    rounds a tie the other way)."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(128, 72, bias=bias)  # 72 outputs: a tail shorter than a vector
+    x = torch.randn(W8A8_FROM_ROWS + 3, 128).to(dtype)
+    layer = W8A8Linear(linear.weight, linear.bias)
+    y = layer(x)
+    layer.kernels = None
+    reference = layer(x)
+    assert y.dtype == dtype and y.shape == reference.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, reference, rtol=1e-6, atol=1e-6)
+    else:
+        ulps = (y.view(torch.int16).int() - reference.view(torch.int16).int()).abs()
+        assert ulps.max().item() <= 1 and (ulps > 0).float().mean().item() < 0.01
+
+
 def test_folded_smoothing_leaves_the_float_model_unchanged(tiny_folder, calibration_file):
     """With the int8 layers swapped back for float ones, the folded factors (norm weights, up rows) cancel out."""
     llm = LLM(str(tiny_folder), **FLOAT32, kv_cache_memory=8 << 20)

@@ -181,12 +181,17 @@ def gguf_repack():
 @functools.cache
 def w8a8_activations():
     """The `torch.ops.inferno` namespace holding `w8a8_quantize_rows` (a W8A8 projection's input scaled, rotated and
-    quantized to bytes in one pass, see w8a8_activations.cpp), or None when it cannot be built."""
+    quantized to bytes in one pass) and `w8a8_scale_rows` (its GEMM's output times the row scales, plus the bias, in
+    the model's dtype; see w8a8_activations.cpp), or None when they cannot be built."""
     if not _build("inferno_w8a8_activations", ("w8a8_activations.cpp",), "quantizing activations with PyTorch ops"):
         return None
 
     @torch.library.register_fake("inferno::w8a8_quantize_rows")
     def _(x, input_scales, rotation_block):
         return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape[0], 1, dtype=torch.float)
+
+    @torch.library.register_fake("inferno::w8a8_scale_rows")
+    def _(y, row_scales, bias, out):
+        return None
 
     return torch.ops.inferno

@@ -9,6 +9,11 @@
 // [rows x keys] = queries x keys^T with the query value broadcast against a vector of keys, and output [rows x D]
 // += probabilities x values with a probability broadcast against a vector of a value row. Items are taken from a
 // shared counter, costliest (latest, most keys) first, so that the threads finish together.
+//
+// bfloat16 queries and caches on a CPU with AVX512-BF16 take the same steps with `vdpbf16ps` (two bfloat16 products
+// added into each float32 lane: half the instructions): keys as pairs of dimensions, values as pairs of keys, the
+// probabilities rounded to bfloat16 for their product with the values (as GPU flash attention does); scores, softmax
+// and sums in float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,10 +33,11 @@ constexpr int64_t kScoreRows = LANES == 16 ? 6 : 4;   // rows per score micro-ke
 constexpr int64_t kOutputRows = LANES == 16 ? 4 : 2;  // rows x kOutputChunks accumulators per output micro-kernel
 constexpr int64_t kOutputChunks = 4;
 
-struct Tile {  // one key tile, as float32
-  std::vector<float> keys;    // [head_dim][kKeyTile]: transposed, keys in lanes
-  std::vector<float> values;  // [kKeyTile][head_dim]
-};
+// The cache offset of key t of kv head h
+inline int64_t key_offset(const int64_t* table, int64_t h, int64_t t, int64_t num_blocks, int64_t block_size,
+                          int64_t head_dim) {
+  return ((h * num_blocks + table[t / block_size]) * block_size + t % block_size) * head_dim;
+}
 
 // scores[r, :] = q_r . keys for ROWS rows: one broadcast query value against each vector of keys per dimension
 template <int64_t ROWS>
@@ -67,47 +73,179 @@ inline void weigh_rows(const float* p, const float* values, float* out, int64_t 
     for (int64_t c = 0; c < CHUNKS; ++c) store(out + r * head_dim + (c0 + c) * LANES, acc[r][c]);
 }
 
-template <int64_t ROWS>
-inline void weigh_row_block(const float* p, const float* values, float* out, int64_t keys, int64_t head_dim) {
-  const int64_t chunks = head_dim / LANES;
-  int64_t c = 0;
-  for (; c + kOutputChunks <= chunks; c += kOutputChunks)
-    weigh_rows<ROWS, kOutputChunks>(p, values, out, keys, head_dim, c);
-  for (; c < chunks; ++c) weigh_rows<ROWS, 1>(p, values, out, keys, head_dim, c);
-}
-
-// The key tile [t0, t0 + kKeyTile) of kv head h as float32 (keys at or past `end` read as zeros, which their -inf
-// scores never weigh)
+// One key tile as float32 (keys transposed: keys in lanes; values as rows) and the item's queries, scaled.
 template <typename C>
-void load_tile(const C* k_cache, const C* v_cache, const int64_t* table, int64_t h, int64_t t0, int64_t end,
-               int64_t num_blocks, int64_t block_size, int64_t head_dim, Tile& tile) {
-  std::fill(tile.keys.begin(), tile.keys.end(), 0.f);
-  for (int64_t j = 0; j < kKeyTile; ++j) {
-    const int64_t t = t0 + j;
-    float* v_row = tile.values.data() + j * head_dim;
-    if (t >= end) {
-      std::fill(v_row, v_row + head_dim, 0.f);
-      continue;
-    }
-    const int64_t offset = ((h * num_blocks + table[t / block_size]) * block_size + t % block_size) * head_dim;
-    const C* k_row = k_cache + offset;
-    const C* v_src = v_cache + offset;
-    for (int64_t c = 0; c < head_dim; c += LANES) {
-      store(v_row + c, load(v_src + c));
-      const floatv k = load(k_row + c);
-      for (int64_t i = 0; i < LANES; ++i) tile.keys[(c + i) * kKeyTile + j] = k[i];
+struct FloatTile {
+  int64_t head_dim;
+  std::vector<float> keys, values, q;  // [head_dim][kKeyTile], [kKeyTile][head_dim], [rows][head_dim]
+
+  explicit FloatTile(int64_t head_dim) : head_dim(head_dim), keys(head_dim * kKeyTile), values(kKeyTile * head_dim) {}
+
+  // rows of `group` heads per position, `stride` apart; returns the factor the scores still need
+  template <typename T>
+  float set_queries(const T* src, int64_t positions, int64_t stride, int64_t group, float scale) {
+    q.resize(positions * group * head_dim);
+    for (int64_t i = 0; i < positions; ++i)
+      for (int64_t x = 0; x < group * head_dim; ++x) q[i * group * head_dim + x] = static_cast<float>(src[i * stride + x]) * scale;
+    return 1.f;
+  }
+
+  // keys [t0, t0 + kKeyTile) of kv head h; those at or past `end` read as zeros (their -inf scores never weigh)
+  void load_keys(const C* k_cache, const C* v_cache, const int64_t* table, int64_t h, int64_t t0, int64_t end,
+                 int64_t num_blocks, int64_t block_size) {
+    std::fill(keys.begin(), keys.end(), 0.f);
+    for (int64_t j = 0; j < kKeyTile; ++j) {
+      float* v_row = values.data() + j * head_dim;
+      if (t0 + j >= end) {
+        std::fill(v_row, v_row + head_dim, 0.f);
+        continue;
+      }
+      const int64_t offset = key_offset(table, h, t0 + j, num_blocks, block_size, head_dim);
+      for (int64_t c = 0; c < head_dim; c += LANES) {
+        store(v_row + c, load(v_cache + offset + c));
+        const floatv k = load(k_cache + offset + c);
+        for (int64_t i = 0; i < LANES; ++i) keys[(c + i) * kKeyTile + j] = k[i];
+      }
     }
   }
-}
 
-struct Rows {  // one work item's query rows: row r is position first + r / group, query head h * group + r % group
-  std::vector<float> q, out, scores;  // [rows][head_dim] (scaled), [rows][head_dim], [rows][kKeyTile]
-  std::vector<float> max, denom;      // [rows]
+  void score(int64_t rows, float* scores) const {
+    int64_t r = 0;
+    for (; r + kScoreRows <= rows; r += kScoreRows)
+      score_rows<kScoreRows>(q.data() + r * head_dim, keys.data(), scores + r * kKeyTile, head_dim);
+    for (; r < rows; ++r) score_rows<1>(q.data() + r * head_dim, keys.data(), scores + r * kKeyTile, head_dim);
+  }
+
+  template <int64_t ROWS>
+  void weigh_block(const float* p, float* out, int64_t live) const {
+    const int64_t chunks = head_dim / LANES;
+    int64_t c = 0;
+    for (; c + kOutputChunks <= chunks; c += kOutputChunks)
+      weigh_rows<ROWS, kOutputChunks>(p, values.data(), out, live, head_dim, c);
+    for (; c < chunks; ++c) weigh_rows<ROWS, 1>(p, values.data(), out, live, head_dim, c);
+  }
+
+  // out[r] += p[r] . values for every row over the `live` keys (p: probabilities [rows][kKeyTile])
+  void weigh(int64_t rows, const float* p, float* out, int64_t live) const {
+    int64_t r = 0;
+    for (; r + kOutputRows <= rows; r += kOutputRows) weigh_block<kOutputRows>(p + r * kKeyTile, out + r * head_dim, live);
+    for (; r < rows; ++r) weigh_block<1>(p + r * kKeyTile, out + r * head_dim, live);
+  }
 };
 
-// Online softmax over one tile for row r (position `pos`): mask, new max, rescale, probabilities in place.
-inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t window, int64_t head_dim) {
+#if defined(__AVX512BF16__)
+// scores[r, :] = q_r . keys for ROWS rows, two dimensions per instruction: a broadcast (q[2i], q[2i+1]) against
+// the vectors of (k[2i], k[2i+1]) pairs
+template <int64_t ROWS>
+inline void score_rows_bf16(const uint32_t* q, const uint32_t* keys, float* scores, int64_t pairs) {
+  __m512 acc[ROWS][kTileVectors];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh k[kTileVectors];
+    for (int64_t v = 0; v < kTileVectors; ++v) k[v] = (__m512bh)_mm512_loadu_si512(keys + i * kKeyTile + v * LANES);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + i]));
+      for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, k[v]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t v = 0; v < kTileVectors; ++v) _mm512_storeu_ps(scores + r * kKeyTile + v * LANES, acc[r][v]);
+}
+
+// out[r, c0:c0+CHUNKS] += sum_j p[r, j] values[j, c0:c0+CHUNKS], two keys per instruction: a broadcast
+// (p[2j], p[2j+1]) against the vectors of (v[2j], v[2j+1]) pairs
+template <int64_t ROWS, int64_t CHUNKS>
+inline void weigh_rows_bf16(const uint32_t* p, const uint32_t* values, float* out, int64_t key_pairs,
+                            int64_t head_dim, int64_t c0) {
+  __m512 acc[ROWS][CHUNKS];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < CHUNKS; ++c) acc[r][c] = _mm512_loadu_ps(out + r * head_dim + (c0 + c) * LANES);
+  for (int64_t j = 0; j < key_pairs; ++j) {
+    __m512bh v[CHUNKS];
+    for (int64_t c = 0; c < CHUNKS; ++c) v[c] = (__m512bh)_mm512_loadu_si512(values + j * head_dim + (c0 + c) * LANES);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * kKeyTile / 2 + j]));
+      for (int64_t c = 0; c < CHUNKS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, v[c]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out + r * head_dim + (c0 + c) * LANES, acc[r][c]);
+}
+
+// One key tile in bfloat16 pairs: keys [head_dim / 2][kKeyTile] (dimensions 2i, 2i+1 of a key in one 32-bit lane),
+// values [kKeyTile / 2][head_dim] (keys 2j, 2j+1 of a dimension in one lane); the queries as they are, in pairs.
+struct Bf16Tile {
+  int64_t head_dim;
+  std::vector<uint32_t> keys, values, q, p;  // ..., [rows][head_dim / 2], probabilities [rows][kKeyTile / 2]
+
+  explicit Bf16Tile(int64_t head_dim) : head_dim(head_dim), keys(head_dim / 2 * kKeyTile), values(kKeyTile / 2 * head_dim) {}
+
+  float set_queries(const c10::BFloat16* src, int64_t positions, int64_t stride, int64_t group, float scale) {
+    const int64_t row = group * head_dim / 2;  // one position's rows, in pairs
+    q.resize(positions * row);
+    for (int64_t i = 0; i < positions; ++i) std::memcpy(q.data() + i * row, src + i * stride, row * sizeof(uint32_t));
+    return scale;  // exact products of the bfloat16 values, scaled after
+  }
+
+  void load_keys(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t h,
+                 int64_t t0, int64_t end, int64_t num_blocks, int64_t block_size) {
+    const int64_t pairs = head_dim / 2;
+    for (int64_t j = 0; j < kKeyTile; ++j) {
+      const bool live = t0 + j < end;
+      const int64_t offset = live ? key_offset(table, h, t0 + j, num_blocks, block_size, head_dim) : 0;
+      const uint32_t* k_row = reinterpret_cast<const uint32_t*>(k_cache + offset);
+      const uint16_t* v_row = reinterpret_cast<const uint16_t*>(v_cache + offset);
+      uint16_t* v_dst = reinterpret_cast<uint16_t*>(values.data() + (j / 2) * head_dim) + j % 2;
+      for (int64_t i = 0; i < pairs; ++i) keys[i * kKeyTile + j] = live ? k_row[i] : 0u;
+      for (int64_t d = 0; d < head_dim; ++d) v_dst[2 * d] = live ? v_row[d] : 0;
+    }
+  }
+
+  void score(int64_t rows, float* scores) const {
+    const int64_t pairs = head_dim / 2;
+    int64_t r = 0;
+    for (; r + kScoreRows <= rows; r += kScoreRows)
+      score_rows_bf16<kScoreRows>(q.data() + r * pairs, keys.data(), scores + r * kKeyTile, pairs);
+    for (; r < rows; ++r) score_rows_bf16<1>(q.data() + r * pairs, keys.data(), scores + r * kKeyTile, pairs);
+  }
+
+  template <int64_t ROWS>
+  void weigh_block(const uint32_t* pr, float* out, int64_t key_pairs) const {
+    const int64_t chunks = head_dim / LANES;
+    int64_t c = 0;
+    for (; c + kOutputChunks <= chunks; c += kOutputChunks)
+      weigh_rows_bf16<ROWS, kOutputChunks>(pr, values.data(), out, key_pairs, head_dim, c);
+    for (; c < chunks; ++c) weigh_rows_bf16<ROWS, 1>(pr, values.data(), out, key_pairs, head_dim, c);
+  }
+
+  void weigh(int64_t rows, const float* probabilities, float* out, int64_t live) {
+    p.resize(rows * kKeyTile / 2);
+    for (int64_t r = 0; r < rows; ++r) {  // the probabilities rounded to bfloat16, in key order
+      const float* src = probabilities + r * kKeyTile;
+      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + LANES), _mm512_loadu_ps(src));
+      _mm512_storeu_si512(p.data() + r * kKeyTile / 2, (__m512i)pair);
+    }
+    const int64_t key_pairs = (live + 1) / 2;
+    int64_t r = 0;
+    for (; r + kOutputRows <= rows; r += kOutputRows)
+      weigh_block<kOutputRows>(p.data() + r * kKeyTile / 2, out + r * head_dim, key_pairs);
+    for (; r < rows; ++r) weigh_block<1>(p.data() + r * kKeyTile / 2, out + r * head_dim, key_pairs);
+  }
+};
+#endif
+
+struct Rows {  // one work item's rows: row r is position first + r / group, query head h * group + r % group
+  std::vector<float> out, scores;  // [rows][head_dim], [rows][kKeyTile]
+  std::vector<float> max, denom;   // [rows]
+};
+
+// Online softmax over one tile for row r (position `pos`): scale, mask, new max, rescale, probabilities in place.
+inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t window, float scale,
+                        int64_t head_dim) {
   float* s = rows.scores.data() + r * kKeyTile;
+  if (scale != 1.f)
+    for (int64_t v = 0; v < kTileVectors; ++v) store(s + v * LANES, load(s + v * LANES) * scale);
   const int64_t lo = window > 0 ? pos - window + 1 : 0;  // keys [lo, pos] are visible
   if (t0 < lo || t0 + kKeyTile - 1 > pos)
     for (int64_t j = 0; j < kKeyTile; ++j)
@@ -139,8 +277,8 @@ inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t 
   rows.denom[r] += sum_lanes(sum);
 }
 
-// T: the queries' and output's dtype; C: the caches' (float16 caches under a float32 model)
-template <typename T, typename C>
+// T: the queries' and output's dtype; C: the caches'; Tile: FloatTile<C> or Bf16Tile
+template <typename Tile, typename T, typename C>
 void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, T* out, int64_t n,
                     int64_t num_computed, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                     int64_t block_size, int64_t head_dim, float scale, int64_t window) {
@@ -148,37 +286,26 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_
   const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock, items = blocks * num_kv_heads;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Tile tile{std::vector<float>(head_dim * kKeyTile), std::vector<float>(kKeyTile * head_dim)};
+    Tile tile(head_dim);
     Rows rows;
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t b = blocks - 1 - item / num_kv_heads, h = item % num_kv_heads;  // the latest blocks first
       const int64_t first = b * kQueryBlock, count = std::min(kQueryBlock, n - first), num_rows = count * group;
-      rows.q.resize(num_rows * head_dim);
+      // the group's heads of a position are adjacent in q
+      const float score_scale = tile.set_queries(q + (first * num_heads + h * group) * head_dim, count,
+                                                 num_heads * head_dim, group, scale);
       rows.out.assign(num_rows * head_dim, 0.f);
       rows.scores.resize(num_rows * kKeyTile);
       rows.max.assign(num_rows, kNegInf);
       rows.denom.assign(num_rows, 0.f);
-      for (int64_t i = 0; i < count; ++i) {  // the group's heads of a position are adjacent in q
-        const T* src = q + ((first + i) * num_heads + h * group) * head_dim;
-        for (int64_t x = 0; x < group * head_dim; ++x) rows.q[i * group * head_dim + x] = static_cast<float>(src[x]) * scale;
-      }
       const int64_t first_pos = num_computed + first, end = first_pos + count;  // keys [.., end) are needed
       const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
-        load_tile(k_cache, v_cache, table, h, t0, end, num_blocks, block_size, head_dim, tile);
-        const int64_t keys = std::min(kKeyTile, end - t0);
-        int64_t r = 0;
-        for (; r + kScoreRows <= num_rows; r += kScoreRows)
-          score_rows<kScoreRows>(rows.q.data() + r * head_dim, tile.keys.data(), rows.scores.data() + r * kKeyTile, head_dim);
-        for (; r < num_rows; ++r)
-          score_rows<1>(rows.q.data() + r * head_dim, tile.keys.data(), rows.scores.data() + r * kKeyTile, head_dim);
-        for (r = 0; r < num_rows; ++r) softmax_row(rows, r, first_pos + r / group, t0, window, head_dim);
-        for (r = 0; r + kOutputRows <= num_rows; r += kOutputRows)
-          weigh_row_block<kOutputRows>(rows.scores.data() + r * kKeyTile, tile.values.data(),
-                                       rows.out.data() + r * head_dim, keys, head_dim);
-        for (; r < num_rows; ++r)
-          weigh_row_block<1>(rows.scores.data() + r * kKeyTile, tile.values.data(), rows.out.data() + r * head_dim,
-                             keys, head_dim);
+        tile.load_keys(k_cache, v_cache, table, h, t0, end, num_blocks, block_size);
+        tile.score(num_rows, rows.scores.data());
+        for (int64_t r = 0; r < num_rows; ++r)
+          softmax_row(rows, r, first_pos + r / group, t0, window, score_scale, head_dim);
+        tile.weigh(num_rows, rows.scores.data(), rows.out.data(), std::min(kKeyTile, end - t0));
       }
       for (int64_t i = 0; i < count; ++i) {
         T* dst = out + ((first + i) * num_heads + h * group) * head_dim;
@@ -212,7 +339,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const auto run = [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
-    prefill_kernel<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), block_table.data_ptr<int64_t>(),
+    prefill_kernel<FloatTile<C>, T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), block_table.data_ptr<int64_t>(),
                          out.data_ptr<T>(), q.size(0), num_computed, q.size(1), k_cache.size(0), k_cache.size(1),
                          k_cache.size(2), q.size(2), static_cast<float>(scale), window);
   };
@@ -222,7 +349,16 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   }
   switch (q.scalar_type()) {
     case at::kFloat: run(static_cast<float*>(nullptr), static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kBFloat16:
+#if defined(__AVX512BF16__)
+      prefill_kernel<Bf16Tile, c10::BFloat16, c10::BFloat16>(
+          q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+          block_table.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), q.size(0), num_computed, q.size(1),
+          k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2), static_cast<float>(scale), window);
+#else
+      run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+#endif
+      break;
     case at::kHalf: run(static_cast<c10::Half*>(nullptr), static_cast<c10::Half*>(nullptr)); break;
     default: TORCH_CHECK(false, "paged_prefill_attention: float32, bfloat16 or float16, got ", q.scalar_type());
   }

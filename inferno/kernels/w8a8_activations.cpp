@@ -1,7 +1,8 @@
 // The activations of a W8A8 projection as its int8 GEMM takes them, in one pass over each row: times the layer's
 // input scales (SmoothQuant factors it could not fold), rotated per block by the orthonormal Hadamard matrix
 // (down_proj: an outlier channel spreads over its block), then quantized to unsigned bytes with zero point 128 and
-// one scale per row, absmax / 127. Registered as `inferno::w8a8_quantize_rows`.
+// one scale per row, absmax / 127. Registered as `inferno::w8a8_quantize_rows`; `inferno::w8a8_scale_rows` finishes
+// the GEMM's float32 output in one pass too: times the row scales, plus the bias, in the model's dtype.
 //
 // The rotation is a fast Walsh-Hadamard transform: log2(block) butterfly stages, (a, b) -> (a + b, a - b) at
 // distance s. Stages at a distance of whole vectors add and subtract vectors; the shorter ones pair lanes of one
@@ -13,6 +14,7 @@
 #include "float_vectors.h"
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -128,10 +130,69 @@ std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x, const
   return {codes, row_scales};
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even (as c10::BFloat16; NaN stays a NaN)
+inline ushortv to_bfloat16(floatv x) {
+  const uintv bits = (uintv)x;
+  const uintv rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uintv nan = (uintv)(x != x);
+  return __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), ushortv);
+}
+
+// out[m, :] = y[m, :] * row_scales[m] + bias, as float32 (in place) or bfloat16
+template <typename T>
+void scale_rows(const float* y, const float* row_scales, const float* bias, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* src = y + m * n;
+      T* dst = out + m * n;
+      const float s = row_scales[m];
+      int64_t i = 0;
+      for (; i + LANES <= n; i += LANES) {
+        floatv v = load(src + i) * s;
+        if (bias) v += load(bias + i);
+        if constexpr (std::is_same_v<T, float>) {
+          store(dst + i, v);
+        } else {
+          const ushortv h = to_bfloat16(v);
+          std::memcpy(dst + i, &h, sizeof(h));
+        }
+      }
+      for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * s + (bias ? bias[i] : 0.f));
+    }
+  });
+}
+
+// out = y * row_scales + bias: y [M, N] float32 (the integer GEMM's output), row_scales [M, 1] float32, bias [N]
+// float32 or None; out float32 (y itself allowed) or bfloat16, [M, N]
+void w8a8_scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const c10::optional<at::Tensor>& bias,
+                     at::Tensor& out) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat, "y: a contiguous float32 [M, N]");
+  TORCH_CHECK(out.sizes() == y.sizes() && out.is_contiguous(), "out: a contiguous tensor of y's shape");
+  TORCH_CHECK(row_scales.is_contiguous() && row_scales.scalar_type() == at::kFloat && row_scales.numel() == y.size(0),
+              "row_scales: one float32 per row");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == y.size(1),
+                "bias: one float32 per column");
+    b = bias->data_ptr<float>();
+  }
+  if (out.scalar_type() == at::kFloat)
+    scale_rows(y.data_ptr<float>(), row_scales.data_ptr<float>(), b, out.data_ptr<float>(), y.size(0), y.size(1));
+  else if (out.scalar_type() == at::kBFloat16)
+    scale_rows(y.data_ptr<float>(), row_scales.data_ptr<float>(), b, out.data_ptr<c10::BFloat16>(), y.size(0),
+               y.size(1));
+  else
+    TORCH_CHECK(false, "w8a8_scale_rows: float32 or bfloat16 out, got ", out.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("w8a8_quantize_rows(Tensor x, Tensor? input_scales, int rotation_block) -> (Tensor, Tensor)");
+  m.def("w8a8_scale_rows(Tensor y, Tensor row_scales, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("w8a8_quantize_rows", &w8a8_quantize_rows); }
+TORCH_LIBRARY_IMPL(inferno, CPU, m) {
+  m.impl("w8a8_quantize_rows", &w8a8_quantize_rows);
+  m.impl("w8a8_scale_rows", &w8a8_scale_rows);
+}

@@ -100,8 +100,8 @@ class W8A8Linear(nn.Module):
         return self.kernels.w8a8_quantize_rows(x if x.dtype == torch.bfloat16 else x.float(), self.input_scales, block)
 
     def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The integer product of the quantized rows of x (as it arrives) and the weight codes, scaled to float32
-        [M, N]."""
+        """The integer product of the quantized rows of x (as it arrives) and the weight codes, scaled, plus the
+        bias: [M, N] in x's dtype (float32 or bfloat16)."""
         codes, row_scales = self.quantize_input(x)
         if self.native:  # the row scales are applied after: the GEMM sees a scale of 1
             y = torch.ops.onednn.qlinear_pointwise(
@@ -109,7 +109,12 @@ class W8A8Linear(nn.Module):
                 None, 1.0, 0, torch.float32, "none", [], "")
         else:
             y = F.linear(codes.float() - ACTIVATION_ZERO_POINT, self.weight.float() * self.scales.unsqueeze(1))
-        return y.mul_(row_scales)
+        if self.kernels is not None and x.dtype in (torch.float32, torch.bfloat16):
+            out = y if x.dtype == torch.float32 else torch.empty_like(y, dtype=x.dtype)
+            self.kernels.w8a8_scale_rows(y, row_scales, self.bias, out)
+            return out
+        y = y.mul_(row_scales)
+        return (y if self.bias is None else y.add_(self.bias)).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -118,8 +123,8 @@ class W8A8Linear(nn.Module):
             y = self.int8_matmul(x2.contiguous())
         else:
             y = torch._weight_int8pack_mm(self.prepare_input(x2).bfloat16(), self.weight, self.scales_bf16).float()
-        y = y if self.bias is None else y.add_(self.bias)
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+            y = (y if self.bias is None else y.add_(self.bias)).to(x.dtype)
+        return y.view(*shape[:-1], self.out_features)
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
