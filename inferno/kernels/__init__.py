@@ -195,3 +195,29 @@ def w8a8_activations():
         return None
 
     return torch.ops.inferno
+
+
+@functools.cache
+def fused_ops():
+    """The `torch.ops.inferno` namespace holding the fused elementwise steps of eager CPU steps: `rms_norm`,
+    `add_rms_norm`, `silu_and_mul` and `rotary_` (see fused_ops.cpp), or None when they cannot be built."""
+    if not _build("inferno_fused_ops", ("fused_ops.cpp",), "using PyTorch's elementwise operators"):
+        return None
+
+    @torch.library.register_fake("inferno::rms_norm")
+    def _(x, weight, eps):  # shapes for torch.compile's tracing
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("inferno::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("inferno::silu_and_mul")
+    def _(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("inferno::rotary_")
+    def _(x, rotations):
+        return None
+
+    return torch.ops.inferno

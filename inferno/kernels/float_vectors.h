@@ -1,7 +1,7 @@
 // Float vectors one register wide, for the kernels written with GCC vector extensions (paged_attention.cpp,
 // prefill_attention.cpp, w8a8_activations.cpp): 16 floats with AVX-512, 8 with AVX2 (a vector wider than the
-// registers compiles into stack traffic); loads that widen bfloat16 / float16 rows to float32, and exp. Everything
-// here has internal linkage.
+// registers compiles into stack traffic); loads that widen bfloat16 / float16 rows to float32 and stores that round
+// them back, and exp. Everything here has internal linkage.
 #pragma once
 
 #include <torch/extension.h>
@@ -52,6 +52,29 @@ inline floatv load(const c10::Half* p) {
 }
 
 inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof(v)); }
+
+// float32 -> bfloat16 bits, rounded to nearest even as c10::BFloat16 (a NaN stays a NaN)
+inline ushortv to_bfloat16(floatv x) {
+  const uintv bits = (uintv)x;
+  const uintv rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uintv nan = (uintv)(x != x);
+  return __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), ushortv);
+}
+
+inline void store(c10::BFloat16* p, floatv v) {
+  const ushortv h = to_bfloat16(v);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline void store(c10::Half* p, floatv v) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int64_t i = 0; i < LANES; ++i) p[i] = static_cast<c10::Half>(v[i]);
+#endif
+}
 
 // Cache rows are scattered over the pool block by block: fetch the next keys (and each key's value) ahead.
 template <typename T>

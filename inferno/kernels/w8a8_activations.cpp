@@ -130,14 +130,6 @@ std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x, const
   return {codes, row_scales};
 }
 
-// float32 -> bfloat16 bits, rounded to nearest even (as c10::BFloat16; NaN stays a NaN)
-inline ushortv to_bfloat16(floatv x) {
-  const uintv bits = (uintv)x;
-  const uintv rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uintv nan = (uintv)(x != x);
-  return __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), ushortv);
-}
-
 // out[m, :] = y[m, :] * row_scales[m] + bias, as float32 (in place) or bfloat16
 template <typename T>
 void scale_rows(const float* y, const float* row_scales, const float* bias, T* out, int64_t rows, int64_t n) {
@@ -150,12 +142,7 @@ void scale_rows(const float* y, const float* row_scales, const float* bias, T* o
       for (; i + LANES <= n; i += LANES) {
         floatv v = load(src + i) * s;
         if (bias) v += load(bias + i);
-        if constexpr (std::is_same_v<T, float>) {
-          store(dst + i, v);
-        } else {
-          const ushortv h = to_bfloat16(v);
-          std::memcpy(dst + i, &h, sizeof(h));
-        }
+        store(dst + i, v);
       }
       for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * s + (bias ? bias[i] : 0.f));
     }

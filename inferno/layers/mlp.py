@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferno.distributed.parallel_state import ParallelRank
+from inferno.layers.fused_cpu import cpu_fused_ops
 from inferno.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -32,5 +33,9 @@ class MLP(nn.Module):
         if self.silu and gate_up.is_cuda:  # one Triton kernel
             from inferno.kernels.triton_fused import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))
+        ops = cpu_fused_ops(gate_up) if self.silu and gate_up.is_contiguous() else None
+        if ops is not None:  # one native kernel
+            return self.down_proj(ops.silu_and_mul(gate_up.view(-1, gate_up.shape[-1])).view(
+                *gate_up.shape[:-1], gate_up.shape[-1] // 2))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

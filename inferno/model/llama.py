@@ -8,6 +8,7 @@ from torch import nn
 from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.layers.attention import Attention
+from inferno.layers.fused_cpu import cpu_fused_ops
 from inferno.layers.mlp import MLP
 from inferno.layers.moe import SparseMoE
 from inferno.layers.norm import RMSNorm
@@ -51,9 +52,13 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim:  # per-head norms
             q, k = self.q_norm(q), self.k_norm(k)
+        ops = cpu_fused_ops(q)
         if q.is_cuda:  # in place, one Triton kernel each
             from inferno.kernels.triton_fused import rotary_
             q, k = rotary_(q, rotations), rotary_(k, rotations)
+        elif ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # in place, native
+            ops.rotary_(q, rotations)
+            ops.rotary_(k, rotations)
         else:
             qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
