@@ -2,11 +2,12 @@
 
 The factors are calibrated on the float32 model with `LLM.calibrate` (what `inferno calibrate` runs) on the
 built-in calibration sample: none (0), one migration strength for every projection (--smoothing) and each
-projection type's own (the default). Quality is measured
-as in benchmarks/quality.py on its texts (not the calibration sample): mean KL(float32 || config) of the next-token
-distributions, top-1 agreement, perplexity. Prefill speed: one prompt of --prefill-tokens tokens as one prefill
-step (logits of its last token only), the best of --repeats runs, wall time and CPU time of this process.
-Results print as a table and replace the `w8a8` section of --output.
+projection type's own (the default), each run with float32 activations; the last row is what
+`LLM(model, quantization="w8a8")` runs by default (dtype "auto": bfloat16 activations on a CPU with native bfloat16).
+Quality is measured as in benchmarks/quality.py on its texts (not the calibration sample): mean KL(float32 || config)
+of the next-token distributions, top-1 agreement, perplexity. Prefill speed: one prompt of --prefill-tokens tokens as
+one prefill step (logits of its last token only), the best of --repeats runs, wall time and CPU time of this process.
+Results print as a table and replace the --section section of --output.
 """
 import argparse
 import gc
@@ -26,8 +27,10 @@ from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput
 from quality import QUALITY_TEXTS, compare, evaluate  # benchmarks/quality.py (scripts run from this folder)
 from results_md import write_section
+from throughput import machine_note
 
 FLOAT32 = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "float32"}
+DEFAULTS = "w8a8 defaults (per projection type)"
 
 
 @torch.inference_mode()
@@ -59,6 +62,7 @@ def main() -> None:
     p.add_argument("--smoothing", type=float, default=0.5, help="SmoothQuant migration strength alpha for all")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")), help="'' to skip")
+    p.add_argument("--section", default="w8a8", help="the section of --output to replace")
     args = p.parse_args()
     torch.set_num_threads(args.num_threads)
     common = dict(kv_cache_memory=64 << 20, num_threads=args.num_threads, enforce_eager=True)
@@ -73,10 +77,14 @@ def main() -> None:
         "bfloat16": {"dtype": "bfloat16", "quantization": None},
         **{f"w8a8, smoothing {'per projection type' if alpha is None else alpha}":
            {**FLOAT32, "quantization": "w8a8", "calibration": str(path)} for alpha, path in files.items()},
+        # what `LLM(model, quantization="w8a8")` runs: dtype "auto" (bfloat16 activations where the CPU has
+        # native bfloat16, as in the bfloat16 row) and the default KV cache
+        DEFAULTS: {"quantization": "w8a8", "calibration": str(files[None])},
     }
-    reference, texts, rows = None, None, []
+    reference, texts, rows, dtypes = None, None, [], {}
     for name, engine_args in configurations.items():
         llm = LLM(args.model, **engine_args, **common)
+        dtypes[name] = llm.llm_engine.config.dtype
         texts = texts or [llm.get_tokenizer().encode(t) for t in QUALITY_TEXTS]
         logprobs = evaluate(llm.llm_engine, texts, args.chunk)
         reference = reference or logprobs
@@ -90,9 +98,12 @@ def main() -> None:
     bf16_wall = next(wall for q, wall, _ in rows if q.name == "bfloat16")
     lines = ["## W8A8: int8 x per-token int8 with calibrated smoothing (`benchmarks/w8a8.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"- Machine: {machine_note(args.num_threads)}",
              f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}` (from `benchmarks/`)",
              f"- Model: `{Path(model_path).name}` dequantized to float32 (the reference), {args.num_threads} threads; "
-             "float32 KV cache in every row but bfloat16's",
+             "float32 activations and KV cache in the float32 and `w8a8, smoothing` rows; the bfloat16 and "
+             "`w8a8 defaults` rows run the defaults of that dtype / quantization (dtype auto: "
+             f"{dtypes[DEFAULTS]} here)",
              f"- Quality: {rows[0][0].positions} next-token positions of benchmarks/quality.py's texts, chunks of "
              f"{args.chunk}; smoothing calibrated on the built-in sample (`inferno calibrate`)",
              f"- Prefill: one {args.prefill_tokens}-token prompt, the best of {args.repeats} runs",
@@ -103,7 +114,7 @@ def main() -> None:
     body = "\n".join(lines) + "\n"
     print("\n" + body)
     if args.output:
-        write_section(Path(args.output), "w8a8", body)
+        write_section(Path(args.output), args.section, body)
         print(f"updated {args.output}")
 
 
