@@ -3,6 +3,8 @@
 - paged decode attention (`torch.ops.inferno.paged_decode_attention`, bf16 cache, 9 query / 3 KV heads of 64,
   blocks of 16 in random order) against the PyTorch path it replaces when the kernel is missing (gather the
   blocks, batched matmuls, softmax);
+- paged prefill attention (`torch.ops.inferno.paged_prefill_attention`, a fresh prompt, float32 queries over a
+  float16 cache and bfloat16 throughout) against PyTorch's causal SDPA;
 - int4 projections (the VNNI kernel `int4_q8_matmul`, float32 input) against `torch._weight_int4pack_mm_for_cpu`
   (group 32, bf16 input): the ops alone, over the 4 weight matrices of all 30 layers in turn, so that weights come
   from memory as in a decode step, not from a hot cache;
@@ -72,6 +74,25 @@ def attention_case(batch: int, context: int, repeats: int) -> tuple[float, float
         backend = backend(BLOCK, KV_HEADS, num_blocks, None)
         group = backend.decode_metadata(torch.zeros(0, dtype=torch.long), tables, seq_lens).decode_groups[0]
         times.append(median_time(lambda: backend.decode(attn, q, group), repeats))
+    return times[0], times[1]
+
+
+def prefill_attention_case(tokens: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """Seconds per layer for a fresh prompt of `tokens`: the native flash-attention kernel, PyTorch's SDPA (causal)
+    over the chunk's own K/V. float32 queries read a float16 cache (a float32 model's default)."""
+    blocks = -(-tokens // BLOCK)
+    attn = Attention(HEADS, KV_HEADS, HEAD_DIM)
+    cache_dtype = torch.float16 if dtype == torch.float32 else dtype
+    attn.k_cache = torch.randn(KV_HEADS, blocks + 1, BLOCK, HEAD_DIM).to(cache_dtype)
+    attn.v_cache = torch.randn(KV_HEADS, blocks + 1, BLOCK, HEAD_DIM).to(cache_dtype)
+    block_ids = (torch.randperm(blocks) + 1).tolist()
+    q = torch.randn(tokens, HEADS, HEAD_DIM).to(dtype)
+    k, v = torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype), torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype)
+    times = []
+    for backend in (CpuKernelAttentionBackend, TorchAttentionBackend):
+        backend = backend(BLOCK, KV_HEADS, blocks + 1, None)
+        chunk = backend.build_metadata([], [], [(tokens, 0, block_ids)]).prefills[0]
+        times.append(median_time(lambda: backend.prefill(attn, q, k, v, chunk), repeats))
     return times[0], times[1]
 
 
@@ -251,13 +272,17 @@ def main() -> None:
         for batch, context in [(1, 600), (1, 2000), (8, 600), (64, 300), (256, 200)]:
             ours, theirs = attention_case(batch, context, args.repeats)
             rows.append((threads, f"paged attention, {batch} × {context} tokens, one layer", ours, theirs, "gather + matmul"))
+        for tokens, dtype in [(512, torch.float32), (512, torch.bfloat16), (2048, torch.bfloat16)]:
+            ours, theirs = prefill_attention_case(tokens, dtype, args.repeats)
+            rows.append((threads, f"prefill attention, {tokens} tokens, {str(dtype).removeprefix('torch.')}, one "
+                                  "layer", ours, theirs, "scaled_dot_product_attention"))
         for n in (1, 2, 4, 6, 8):
             ours, theirs = projections_case(n, args.repeats)
             rows.append((threads, f"int4 projections of 30 layers, {n} row(s)", ours, theirs, "_weight_int4pack_mm"))
         for n in (1, 2, 4, 6, 8):
             ours, theirs = lm_head_case(n, args.repeats)
             rows.append((threads, f"LM head 49152 × 576, {n} row(s)", ours, theirs, "_weight_int8pack_mm"))
-        print(*rows[-15:], sep="\n", flush=True)
+        print(*rows[-18:], sep="\n", flush=True)
     lines = ["## Native kernels against PyTorch's (`benchmarks/kernels.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Machine: {torch.get_num_threads()} threads max, {platform.processor() or platform.machine()}, "
