@@ -1,8 +1,8 @@
 // The decoder's elementwise steps fused on the CPU, one pass over each row instead of one PyTorch operator (and one
 // temporary) per step, for eager steps (prefill): the CPU twins of kernels/triton_fused.py. Registered as
 // `inferno::rms_norm`, `inferno::add_rms_norm` (the residual added first), `inferno::silu_and_mul` and
-// `inferno::rotary_` (in place). float32, bfloat16 and float16 rows; arithmetic in float32, rounded once to the row's dtype, except where
-// the PyTorch path rounds in between and the result must stay the same (see rms_norm).
+// `inferno::rotary_` (in place). float32, bfloat16 and float16 rows; arithmetic in float32, rounded once to the
+// row's dtype, except where the PyTorch path rounds in between and the result must stay the same (see rms_norm).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

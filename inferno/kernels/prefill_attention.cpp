@@ -86,7 +86,8 @@ struct FloatTile {
   float set_queries(const T* src, int64_t positions, int64_t stride, int64_t group, float scale) {
     q.resize(positions * group * head_dim);
     for (int64_t i = 0; i < positions; ++i)
-      for (int64_t x = 0; x < group * head_dim; ++x) q[i * group * head_dim + x] = static_cast<float>(src[i * stride + x]) * scale;
+      for (int64_t x = 0; x < group * head_dim; ++x)
+        q[i * group * head_dim + x] = static_cast<float>(src[i * stride + x]) * scale;
     return 1.f;
   }
 
@@ -128,7 +129,8 @@ struct FloatTile {
   // out[r] += p[r] . values for every row over the `live` keys (p: probabilities [rows][kKeyTile])
   void weigh(int64_t rows, const float* p, float* out, int64_t live) const {
     int64_t r = 0;
-    for (; r + kOutputRows <= rows; r += kOutputRows) weigh_block<kOutputRows>(p + r * kKeyTile, out + r * head_dim, live);
+    for (; r + kOutputRows <= rows; r += kOutputRows)
+      weigh_block<kOutputRows>(p + r * kKeyTile, out + r * head_dim, live);
     for (; r < rows; ++r) weigh_block<1>(p + r * kKeyTile, out + r * head_dim, live);
   }
 };
@@ -179,7 +181,8 @@ struct Bf16Tile {
   int64_t head_dim;
   std::vector<uint32_t> keys, values, q, p;  // ..., [rows][head_dim / 2], probabilities [rows][kKeyTile / 2]
 
-  explicit Bf16Tile(int64_t head_dim) : head_dim(head_dim), keys(head_dim / 2 * kKeyTile), values(kKeyTile / 2 * head_dim) {}
+  explicit Bf16Tile(int64_t head_dim)
+      : head_dim(head_dim), keys(head_dim / 2 * kKeyTile), values(kKeyTile / 2 * head_dim) {}
 
   float set_queries(const c10::BFloat16* src, int64_t positions, int64_t stride, int64_t group, float scale) {
     const int64_t row = group * head_dim / 2;  // one position's rows, in pairs
@@ -312,7 +315,8 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = i * group + g;
           const float inv = 1.f / rows.denom[r];
-          for (int64_t d = 0; d < head_dim; ++d) dst[g * head_dim + d] = static_cast<T>(rows.out[r * head_dim + d] * inv);
+          for (int64_t d = 0; d < head_dim; ++d)
+            dst[g * head_dim + d] = static_cast<T>(rows.out[r * head_dim + d] * inv);
         }
       }
     }
@@ -339,9 +343,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const auto run = [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
-    prefill_kernel<FloatTile<C>, T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), block_table.data_ptr<int64_t>(),
-                         out.data_ptr<T>(), q.size(0), num_computed, q.size(1), k_cache.size(0), k_cache.size(1),
-                         k_cache.size(2), q.size(2), static_cast<float>(scale), window);
+    prefill_kernel<FloatTile<C>, T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+                                       block_table.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), num_computed,
+                                       q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),
+                                       static_cast<float>(scale), window);
   };
   if (q.scalar_type() != k_cache.scalar_type()) {
     run(static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));

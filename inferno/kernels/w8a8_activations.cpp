@@ -104,7 +104,8 @@ void quantize_rows(const T* x, const float* input_scales, int64_t block, uint8_t
 
 // x [M, K] float32 or bfloat16; input_scales [K] float32 or None; rotation_block 0 (none) or a power of two
 // dividing K -> (codes [M, K] uint8, row scales [M, 1] float32)
-std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& input_scales,
+std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x,
+                                                      const c10::optional<at::Tensor>& input_scales,
                                                       int64_t rotation_block) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [M, K] matrix");
   const int64_t k = x.size(1);

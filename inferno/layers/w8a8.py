@@ -3,9 +3,9 @@
 Activations are quantized per token (row): x ≈ codes · absmax / 127, codes unsigned bytes with zero point 128;
 weights per output channel (absmax). The rows are scaled, rotated and quantized in one native pass
 (`w8a8_quantize_rows`, kernels/w8a8_activations.cpp; PyTorch ops without a compiler). The product runs in integers
-in oneDNN's u8 x s8 GEMM
-(`torch.ops.onednn.qlinear_pointwise`, float32 out, weight scales applied there) and the row scales multiply its
-output in place. `torch._int_mm` is a plain loop on CPU.
+in oneDNN's u8 x s8 GEMM (`torch.ops.onednn.qlinear_pointwise`, float32 out, weight scales applied there), and one
+more pass (`w8a8_scale_rows`) multiplies the row scales in, adds the bias and rounds to the input's dtype.
+`torch._int_mm` is a plain loop on CPU.
 
 SmoothQuant (activation_calibration.py): x / s and W · s compute the same product, with the activations' outlier
 channels scaled down. The 1 / s of a projection is folded into the operation before it (`quantize_w8a8`): the RMSNorm
@@ -110,7 +110,8 @@ class W8A8Linear(nn.Module):
                 None, 1.0, 0, torch.float32, "none", [], "")
         else:
             y = F.linear(codes.float() - ACTIVATION_ZERO_POINT, self.weight.float() * self.scales.unsqueeze(1))
-        if self.kernels is not None and x.dtype in (torch.float32, torch.bfloat16):
+        traced = torch.compiler.is_compiling()  # then inductor fuses the PyTorch ops below
+        if self.kernels is not None and x.dtype in (torch.float32, torch.bfloat16) and not traced:
             out = y if x.dtype == torch.float32 else torch.empty_like(y, dtype=x.dtype)
             self.kernels.w8a8_scale_rows(y, row_scales, self.bias, out)
             return out
