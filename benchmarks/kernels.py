@@ -3,8 +3,8 @@
 - paged decode attention (`torch.ops.inferno.paged_decode_attention`, bf16 cache, 9 query / 3 KV heads of 64,
   blocks of 16 in random order) against the PyTorch path it replaces when the kernel is missing (gather the
   blocks, batched matmuls, softmax);
-- paged prefill attention (`torch.ops.inferno.paged_prefill_attention`, a fresh prompt, float32 queries over a
-  float16 cache and bfloat16 throughout) against PyTorch's causal SDPA;
+- paged prefill attention (`torch.ops.inferno.paged_prefill_attention`, a fresh prompt, float32 or bfloat16)
+  against PyTorch's causal SDPA;
 - int4 projections (the VNNI kernel `int4_q8_matmul`, float32 input) against `torch._weight_int4pack_mm_for_cpu`
   (group 32, bf16 input): the ops alone, over the 4 weight matrices of all 30 layers in turn, so that weights come
   from memory as in a decode step, not from a hot cache;
@@ -78,8 +78,8 @@ def attention_case(batch: int, context: int, repeats: int) -> tuple[float, float
 
 
 def prefill_attention_case(tokens: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    """Seconds per layer for a fresh prompt of `tokens`: the native flash-attention kernel, PyTorch's SDPA (causal)
-    over the chunk's own K/V. float32 queries read a float16 cache (a float32 model's default)."""
+    """Seconds per layer for a fresh prompt of `tokens`: the native flash-attention kernel, PyTorch's SDPA (causal),
+    both over the chunk's own K/V as computed."""
     blocks = -(-tokens // BLOCK)
     attn = Attention(HEADS, KV_HEADS, HEAD_DIM)
     cache_dtype = torch.float16 if dtype == torch.float32 else dtype

@@ -79,7 +79,7 @@ def paged_attention():
         return torch.empty_like(q)
 
     @torch.library.register_fake("inferno::paged_prefill_attention")
-    def _(q, k_cache, v_cache, block_table, num_computed, scale, window=0):
+    def _(q, k, v, k_cache, v_cache, block_table, num_computed, scale, window=0):
         return torch.empty_like(q)
 
     return torch.ops.inferno

@@ -1,6 +1,7 @@
-// Prefill attention over a paged KV cache on the CPU: the queries of one prompt chunk against the keys before them
-// (the context already cached and the chunk itself, whose K/V the caller has written), causal, optionally limited to
-// a sliding window; K/V read through the block table in place. Registered as `inferno::paged_prefill_attention`.
+// Prefill attention over a paged KV cache on the CPU: the queries of one prompt chunk against the keys before them,
+// causal, optionally limited to a sliding window: the context already cached, read through the block table in
+// place, and the chunk's own K/V as computed (exact, where the cache rounds them: float16 under a float32 model).
+// Registered as `inferno::paged_prefill_attention`.
 //
 // Flash attention: a work item is (kv head, block of kQueryBlock positions) with every query head of the group as
 // rows; it walks the keys in tiles of kKeyTile, keeps each row's running max, softmax denominator and unnormalised
@@ -38,6 +39,17 @@ inline int64_t key_offset(const int64_t* table, int64_t h, int64_t t, int64_t nu
                           int64_t head_dim) {
   return ((h * num_blocks + table[t / block_size]) * block_size + t % block_size) * head_dim;
 }
+
+// The chunk's own K/V as computed, [n, KVH, D] with its strides: keys from `first` on are read here, not from the
+// cache (which holds them rounded to the cache's dtype, float16 under a float32 model)
+template <typename T>
+struct ChunkKV {
+  const T* k;
+  const T* v;
+  int64_t stride_t, stride_h, first;
+
+  const T* row(const T* base, int64_t t, int64_t h) const { return base + (t - first) * stride_t + h * stride_h; }
+};
 
 // scores[r, :] = q_r . keys for ROWS rows: one broadcast query value against each vector of keys per dimension
 template <int64_t ROWS>
@@ -91,21 +103,30 @@ struct FloatTile {
     return 1.f;
   }
 
-  // keys [t0, t0 + kKeyTile) of kv head h; those at or past `end` read as zeros (their -inf scores never weigh)
+  template <typename S>
+  void load_key(const S* k_row, const S* v_row, int64_t j) {
+    for (int64_t c = 0; c < head_dim; c += LANES) {
+      store(values.data() + j * head_dim + c, load(v_row + c));
+      const floatv k = load(k_row + c);
+      for (int64_t i = 0; i < LANES; ++i) keys[(c + i) * kKeyTile + j] = k[i];
+    }
+  }
+
+  // keys [t0, t0 + kKeyTile) of kv head h: cached context from the cache, the chunk's own as computed; those at or
+  // past `end` read as zeros (their -inf scores never weigh)
+  template <typename T>
   void load_keys(const C* k_cache, const C* v_cache, const int64_t* table, int64_t h, int64_t t0, int64_t end,
-                 int64_t num_blocks, int64_t block_size) {
+                 int64_t num_blocks, int64_t block_size, const ChunkKV<T>& chunk) {
     std::fill(keys.begin(), keys.end(), 0.f);
     for (int64_t j = 0; j < kKeyTile; ++j) {
-      float* v_row = values.data() + j * head_dim;
-      if (t0 + j >= end) {
-        std::fill(v_row, v_row + head_dim, 0.f);
-        continue;
-      }
-      const int64_t offset = key_offset(table, h, t0 + j, num_blocks, block_size, head_dim);
-      for (int64_t c = 0; c < head_dim; c += LANES) {
-        store(v_row + c, load(v_cache + offset + c));
-        const floatv k = load(k_cache + offset + c);
-        for (int64_t i = 0; i < LANES; ++i) keys[(c + i) * kKeyTile + j] = k[i];
+      const int64_t t = t0 + j;
+      if (t >= end) {
+        std::fill(values.data() + j * head_dim, values.data() + (j + 1) * head_dim, 0.f);
+      } else if (t >= chunk.first) {
+        load_key(chunk.row(chunk.k, t, h), chunk.row(chunk.v, t, h), j);
+      } else {
+        const int64_t offset = key_offset(table, h, t, num_blocks, block_size, head_dim);
+        load_key(k_cache + offset, v_cache + offset, j);
       }
     }
   }
@@ -191,8 +212,9 @@ struct Bf16Tile {
     return scale;  // exact products of the bfloat16 values, scaled after
   }
 
+  // the chunk's keys from the cache too: a bfloat16 cache holds them exactly as computed
   void load_keys(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t h,
-                 int64_t t0, int64_t end, int64_t num_blocks, int64_t block_size) {
+                 int64_t t0, int64_t end, int64_t num_blocks, int64_t block_size, const ChunkKV<c10::BFloat16>&) {
     const int64_t pairs = head_dim / 2;
     for (int64_t j = 0; j < kKeyTile; ++j) {
       const bool live = t0 + j < end;
@@ -282,9 +304,9 @@ inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t 
 
 // T: the queries' and output's dtype; C: the caches'; Tile: FloatTile<C> or Bf16Tile
 template <typename Tile, typename T, typename C>
-void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, T* out, int64_t n,
-                    int64_t num_computed, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
-                    int64_t block_size, int64_t head_dim, float scale, int64_t window) {
+void prefill_kernel(const T* q, const ChunkKV<T>& chunk, const C* k_cache, const C* v_cache, const int64_t* table,
+                    T* out, int64_t n, int64_t num_computed, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t num_blocks, int64_t block_size, int64_t head_dim, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock, items = blocks * num_kv_heads;
   std::atomic<int64_t> next{0};
@@ -304,7 +326,7 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_
       const int64_t first_pos = num_computed + first, end = first_pos + count;  // keys [.., end) are needed
       const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
-        tile.load_keys(k_cache, v_cache, table, h, t0, end, num_blocks, block_size);
+        tile.load_keys(k_cache, v_cache, table, h, t0, end, num_blocks, block_size, chunk);
         tile.score(num_rows, rows.scores.data());
         for (int64_t r = 0; r < num_rows; ++r)
           softmax_row(rows, r, first_pos + r / group, t0, window, score_scale, head_dim);
@@ -323,13 +345,19 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_
   });
 }
 
-// q [n, H, D]: the chunk's queries at positions num_computed .. num_computed + n - 1, their K/V already in the
-// caches [KVH, num_blocks, block_size, D]; block_table [W] int64 covering every position; D a multiple of 16;
-// window > 0: each query sees only the last `window` keys up to itself
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_table, int64_t num_computed, double scale, int64_t window) {
+// q [n, H, D]: the chunk's queries at positions num_computed .. num_computed + n - 1; k, v [n, KVH, D] (head_dim
+// contiguous): the chunk's K/V as computed, also written to the caches [KVH, num_blocks, block_size, D], which
+// hold the context before it; block_table [W] int64 covering every position; D a multiple of 16; window > 0: each
+// query sees only the last `window` keys up to itself
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   int64_t num_computed, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "q [n, H, D], caches [KVH, B, S, D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == k_cache.size(0) &&
+              k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1 && k.strides() == v.strides(),
+              "k, v: the chunk's [n, KVH, D], head_dim contiguous, with the same strides");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: q's dtype");
   TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kLong, "block_table: int64");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of the kv heads");
@@ -340,31 +368,36 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(num_computed >= 0 && block_table.size(0) * k_cache.size(2) >= num_computed + q.size(0),
               "the block table must cover every position of the chunk");
   auto out = at::empty_like(q);
-  const auto run = [&](auto* type, auto* cache_type) {
+  const auto run = [&](auto* tile_type, auto* type, auto* cache_type) {
+    using Tile = std::remove_pointer_t<decltype(tile_type)>;
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
-    prefill_kernel<FloatTile<C>, T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
-                                       block_table.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), num_computed,
-                                       q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),
-                                       static_cast<float>(scale), window);
+    const ChunkKV<T> chunk{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), num_computed};
+    prefill_kernel<Tile, T, C>(q.data_ptr<T>(), chunk, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+                               block_table.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), num_computed,
+                               q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),
+                               static_cast<float>(scale), window);
   };
   if (q.scalar_type() != k_cache.scalar_type()) {
-    run(static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
+    run(static_cast<FloatTile<c10::Half>*>(nullptr), static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
     return out;
   }
   switch (q.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr), static_cast<float*>(nullptr)); break;
+    case at::kFloat:
+      run(static_cast<FloatTile<float>*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+      break;
     case at::kBFloat16:
 #if defined(__AVX512BF16__)
-      prefill_kernel<Bf16Tile, c10::BFloat16, c10::BFloat16>(
-          q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-          block_table.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), q.size(0), num_computed, q.size(1),
-          k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2), static_cast<float>(scale), window);
+      run(static_cast<Bf16Tile*>(nullptr), static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
 #else
-      run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+      run(static_cast<FloatTile<c10::BFloat16>*>(nullptr), static_cast<c10::BFloat16*>(nullptr),
+          static_cast<c10::BFloat16*>(nullptr));
 #endif
       break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr), static_cast<c10::Half*>(nullptr)); break;
+    case at::kHalf:
+      run(static_cast<FloatTile<c10::Half>*>(nullptr), static_cast<c10::Half*>(nullptr),
+          static_cast<c10::Half*>(nullptr));
+      break;
     default: TORCH_CHECK(false, "paged_prefill_attention: float32, bfloat16 or float16, got ", q.scalar_type());
   }
   return out;
@@ -373,8 +406,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int num_computed, "
-        "float scale, int window=0) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "int num_computed, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -1,6 +1,6 @@
 """The native CPU kernels (inferno/kernels/paged_attention.cpp, prefill_attention.cpp): read K/V through the block
 tables in place, sliding windows included; all decode rows in one call, each prefill chunk in one call (flash
-attention over the chunk and the context cached before it)."""
+attention over the context cached before the chunk and the chunk's own K/V as computed)."""
 import torch
 
 from inferno.core.kv_blocks import cdiv
@@ -41,9 +41,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 chunk: PrefillChunk) -> torch.Tensor:
-        return self.kernels.paged_prefill_attention(q[chunk.start:chunk.end].contiguous(), layer.k_cache, layer.v_cache,
-                                                    chunk.block_table, chunk.num_computed_tokens, layer.scale,
-                                                    layer.sliding_window or 0)
+        rows = slice(chunk.start, chunk.end)
+        return self.kernels.paged_prefill_attention(q[rows].contiguous(), k[rows], v[rows], layer.k_cache,
+                                                    layer.v_cache, chunk.block_table, chunk.num_computed_tokens,
+                                                    layer.scale, layer.sliding_window or 0)
 
     def decode(self, layer: Attention, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q.contiguous(), layer.k_cache, layer.v_cache, group.block_tables,
