@@ -70,9 +70,9 @@ CASES = [  # heads, kv heads, head dim, chunk, cached context before it, window
 def test_kernel_matches_dense(heads, kv_heads, head_dim, n, num_computed, window, dtype, cache_dtype, tol):
     """float32 over a float16 cache: the context as cached, the chunk's own K/V exact (2e-6 fails on the cache's)."""
     attn, q, k, v, block_ids = random_chunk(heads, kv_heads, head_dim, n, num_computed, dtype, cache_dtype, window)
-    # the chunk's K/V as views of a fused QKV buffer, as the decoder passes them
+    # v a view of a fused QKV buffer as the decoder passes it; k a tensor of its own (as after Qwen3's k norm)
     qkv = torch.cat([q, k, v], dim=1)
-    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    q, _, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     out = prefill(CpuKernelAttentionBackend, attn, q, k, v, num_computed, block_ids)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - dense_reference(attn, q, k, v, num_computed, block_ids)).abs().max().item() < tol

@@ -46,9 +46,10 @@ template <typename T>
 struct ChunkKV {
   const T* k;
   const T* v;
-  int64_t stride_t, stride_h, first;
+  int64_t k_stride_t, k_stride_h, v_stride_t, v_stride_h, first;
 
-  const T* row(const T* base, int64_t t, int64_t h) const { return base + (t - first) * stride_t + h * stride_h; }
+  const T* key(int64_t t, int64_t h) const { return k + (t - first) * k_stride_t + h * k_stride_h; }
+  const T* value(int64_t t, int64_t h) const { return v + (t - first) * v_stride_t + h * v_stride_h; }
 };
 
 // scores[r, :] = q_r . keys for ROWS rows: one broadcast query value against each vector of keys per dimension
@@ -123,7 +124,7 @@ struct FloatTile {
       if (t >= end) {
         std::fill(values.data() + j * head_dim, values.data() + (j + 1) * head_dim, 0.f);
       } else if (t >= chunk.first) {
-        load_key(chunk.row(chunk.k, t, h), chunk.row(chunk.v, t, h), j);
+        load_key(chunk.key(t, h), chunk.value(t, h), j);
       } else {
         const int64_t offset = key_offset(table, h, t, num_blocks, block_size, head_dim);
         load_key(k_cache + offset, v_cache + offset, j);
@@ -355,8 +356,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "q [n, H, D], caches [KVH, B, S, D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == k_cache.size(0) &&
-              k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1 && k.strides() == v.strides(),
-              "k, v: the chunk's [n, KVH, D], head_dim contiguous, with the same strides");
+              k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1,
+              "k, v: the chunk's [n, KVH, D], head_dim contiguous");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: q's dtype");
   TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kLong, "block_table: int64");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
@@ -372,7 +373,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, con
     using Tile = std::remove_pointer_t<decltype(tile_type)>;
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
-    const ChunkKV<T> chunk{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), num_computed};
+    const ChunkKV<T> chunk{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           num_computed};
     prefill_kernel<Tile, T, C>(q.data_ptr<T>(), chunk, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                                block_table.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), num_computed,
                                q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),

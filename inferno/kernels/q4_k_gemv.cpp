@@ -67,12 +67,13 @@ KernelRows kernel_rows(const QuantizedRows& q, int64_t m, int64_t k) {
   return x;
 }
 
-// Output rows [begin, end) for R rows of x (from row r0). Per super-block the scales d sc_j and mins dmin m_j are
-// converted at once (a vector of 16) and spread to the vectors' lanes by permutations; per row of x, a VNNI
-// instruction and one float multiply-add per vector, and the mins' term on 8 lanes.
+// Output rows [begin, end) for R rows of x (from row r0), super-blocks [s0, s1) of each weight row: the partial sums
+// are added to y unless `first`. Per super-block the scales d sc_j and mins dmin m_j are converted at once (a vector
+// of 16) and spread to the vectors' lanes by permutations; per row of x, a VNNI instruction and one float
+// multiply-add per vector, and the mins' term on 8 lanes.
 template <int64_t R>
 void q4_k_rows(const KernelRows& x, const QuantizedRows& q, int64_t r0, const uint8_t* blocks, float* y, int64_t n,
-               int64_t k, int64_t begin, int64_t end) {
+               int64_t k, int64_t begin, int64_t end, int64_t s0, int64_t s1, bool first) {
   const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i d_or_dmin = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -82,11 +83,11 @@ void q4_k_rows(const KernelRows& x, const QuantizedRows& q, int64_t r0, const ui
                                    _mm256_set1_epi32(static_cast<int>(VECTOR_SUB_BLOCKS[t][1])), 1);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = blocks + j * row_bytes;
-    prefetch_ahead(row, row_bytes);
+    prefetch_ahead(row + s0 * BLOCK_BYTES, (s1 - s0) * BLOCK_BYTES);
     __m512 acc[R];
     __m256 min_acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), min_acc[r] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < supers; ++s) {
+    for (int64_t s = s0; s < s1; ++s) {
       const uint8_t* blk = row + s * BLOCK_BYTES;
       int32_t d_dmin;
       std::memcpy(&d_dmin, blk, sizeof(d_dmin));
@@ -114,15 +115,18 @@ void q4_k_rows(const KernelRows& x, const QuantizedRows& q, int64_t r0, const ui
       }
     }
     for (int64_t r = 0; r < R; ++r)
-      y[r * n + j] = _mm512_reduce_add_ps(acc[r]) - sum_lanes256(min_acc[r]);
+      add_partial(y + r * n + j, _mm512_reduce_add_ps(acc[r]) - sum_lanes256(min_acc[r]), first);
   }
 }
 
 void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
   const KernelRows x = kernel_rows(q, m, k);
+  const int64_t supers = k / QK_K, chunk = k_chunk(ROW_BLOCK, k, 2);  // x: codes and lane scales
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
-      q4_k_rows<decltype(rows)::value>(x, q, r, blocks, y + r * n, n, k, begin, end);
+      for (int64_t s0 = 0; s0 < supers; s0 += chunk)
+        q4_k_rows<decltype(rows)::value>(x, q, r, blocks, y + r * n, n, k, begin, end, s0,
+                                         std::min(supers, s0 + chunk), s0 == 0);
     });
   });
 }

@@ -79,7 +79,7 @@ inline __m512i high_codes(__m512i ql, __m512i qh, const HighBits& shift) {
 // each).
 template <int64_t R>
 void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, const uint8_t* blocks, float* y,
-               int64_t n, int64_t k, int64_t begin, int64_t end) {
+               int64_t n, int64_t k, int64_t begin, int64_t end, int64_t s0, int64_t s1, bool first) {
   const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES, lanes = k / LANE_CODES;
   const HighBits shift;
   const __m512i lane_group =  // lane l: group l / 4
@@ -89,10 +89,10 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
                              _mm512_add_epi32(lane_group, _mm512_set1_epi32(12))};
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = blocks + j * row_bytes;
-    prefetch_ahead(row, row_bytes);
+    prefetch_ahead(row + s0 * BLOCK_BYTES, (s1 - s0) * BLOCK_BYTES);
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < supers; ++s) {
+    for (int64_t s = s0; s < s1; ++s) {
       const uint8_t* blk = row + s * BLOCK_BYTES;
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
       const __m512 group_scales = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(half_at(blk + 208)));
@@ -113,7 +113,7 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
         }
       }
     }
-    for (int64_t r = 0; r < R; ++r) y[r * n + j] = _mm512_reduce_add_ps(acc[r]);
+    for (int64_t r = 0; r < R; ++r) add_partial(y + r * n + j, _mm512_reduce_add_ps(acc[r]), first);
   }
 }
 #elif defined(__AVX2__)
@@ -132,16 +132,16 @@ inline __m256i lane_dots(__m256i start, __m256i w, __m256i x) {
 // groups 2b, 2b + 1 (4 lanes each); a half super-block is 4 of them.
 template <int64_t R>
 void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, const uint8_t* blocks, float* y,
-               int64_t n, int64_t k, int64_t begin, int64_t end) {
+               int64_t n, int64_t k, int64_t begin, int64_t end, int64_t s0, int64_t s1, bool first) {
   const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES, lanes = k / LANE_CODES;
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   const __m256i lane_group = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = blocks + j * row_bytes;
-    prefetch_ahead(row, row_bytes);
+    prefetch_ahead(row + s0 * BLOCK_BYTES, (s1 - s0) * BLOCK_BYTES);
     __m256 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < supers; ++s) {
+    for (int64_t s = s0; s < s1; ++s) {
       const uint8_t* blk = row + s * BLOCK_BYTES;
       const __m256 d = _mm256_set1_ps(half_at(blk + 208));
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
@@ -173,7 +173,7 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
         }
       }
     }
-    for (int64_t r = 0; r < R; ++r) y[r * n + j] = sum_lanes256(acc[r]);
+    for (int64_t r = 0; r < R; ++r) add_partial(y + r * n + j, sum_lanes256(acc[r]), first);
   }
 }
 #endif
@@ -182,10 +182,13 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
 void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
   const LaneRows x = lane_rows(q, m, k);
   const int64_t lanes = k / LANE_CODES;
+  const int64_t supers = k / QK_K, chunk = k_chunk(ROW_BLOCK, k, 3);  // x: codes, starts and scales
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
-      q6_k_rows<decltype(rows)::value>(q.codes.data() + r * k, x.starts.data() + r * lanes,
-                                       x.scales.data() + r * lanes, blocks, y + r * n, n, k, begin, end);
+      for (int64_t s0 = 0; s0 < supers; s0 += chunk)
+        q6_k_rows<decltype(rows)::value>(q.codes.data() + r * k, x.starts.data() + r * lanes,
+                                         x.scales.data() + r * lanes, blocks, y + r * n, n, k, begin, end, s0,
+                                         std::min(supers, s0 + chunk), s0 == 0);
     });
   });
 }
