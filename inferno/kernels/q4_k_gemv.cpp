@@ -121,9 +121,10 @@ void q4_k_rows(const KernelRows& x, const QuantizedRows& q, int64_t r0, const ui
 
 void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
   const KernelRows x = kernel_rows(q, m, k);
-  const int64_t supers = k / QK_K, chunk = k_chunk(ROW_BLOCK, k, 2);  // x: codes and lane scales
+  const int64_t supers = k / QK_K;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      const int64_t chunk = k_chunk(decltype(rows)::value, k, 2);  // x: codes and lane scales
       for (int64_t s0 = 0; s0 < supers; s0 += chunk)
         q4_k_rows<decltype(rows)::value>(x, q, r, blocks, y + r * n, n, k, begin, end, s0,
                                          std::min(supers, s0 + chunk), s0 == 0);

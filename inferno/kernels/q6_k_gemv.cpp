@@ -182,9 +182,10 @@ void q6_k_rows(const int8_t* xq, const int32_t* starts, const float* x_scales, c
 void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
   const LaneRows x = lane_rows(q, m, k);
   const int64_t lanes = k / LANE_CODES;
-  const int64_t supers = k / QK_K, chunk = k_chunk(ROW_BLOCK, k, 3);  // x: codes, starts and scales
+  const int64_t supers = k / QK_K;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
+      const int64_t chunk = k_chunk(decltype(rows)::value, k, 3);  // x: codes, starts and scales
       for (int64_t s0 = 0; s0 < supers; s0 += chunk)
         q6_k_rows<decltype(rows)::value>(q.codes.data() + r * k, x.starts.data() + r * lanes,
                                          x.scales.data() + r * lanes, blocks, y + r * n, n, k, begin, end, s0,
