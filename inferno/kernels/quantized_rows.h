@@ -110,9 +110,10 @@ constexpr int64_t QK_K = 256;  // weights per super-block
 
 // Super-blocks of each weight row per pass over the weights, for row blocks of `rows` rows of x taking
 // `bytes_per_column` each: all of them while the row block fits L1 (it is read whole for every weight row; as at
-// Qwen2.5-1.5B's K of 1536, and a decode step's one row: its weights then stream row after row), else chunks of about L1_X_BYTES of x, all of a thread's weight rows per chunk, so that
-// x stays in L1 instead of streaming from L2 for each weight row (its down_proj's K of 8960: Q4_K at 32 rows, AVX-512,
-// 131 against 104 GMAC/s). Each pass adds its partial sums to y (add_partial).
+// Qwen2.5-1.5B's K of 1536, and a decode step's one row: its weights then stream row after row), else chunks of about
+// L1_X_BYTES of x, all of a thread's weight rows per chunk, so that x stays in L1 instead of streaming from L2 for
+// each weight row (its down_proj's K of 8960: Q4_K at 32 rows, AVX-512, 131 against 104 GMAC/s). Each pass adds its
+// partial sums to y (add_partial). The AVX-512 Q4_K and both Q6_K paths chunk; the AVX2 Q4_K path does not yet.
 constexpr int64_t L1_X_BYTES = 32 << 10;
 
 inline int64_t k_chunk(int64_t rows, int64_t k, int64_t bytes_per_column) {
