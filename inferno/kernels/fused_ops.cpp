@@ -16,16 +16,6 @@ namespace {
 template <typename T>
 inline T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
-template <typename F>
-void dispatch(at::ScalarType dtype, const char* name, F&& f) {
-  switch (dtype) {
-    case at::kFloat: f(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: f(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16 rows, got ", dtype);
-  }
-}
-
 inline floatv round_to(floatv v, const float*) { return v; }
 inline floatv round_to(floatv v, const c10::BFloat16*) {
   c10::BFloat16 tmp[LANES];
@@ -91,7 +81,7 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   auto out = at::empty_like(x);
-  dispatch(x.scalar_type(), "rms_norm", [&](auto* type) {
+  dispatch_float_type(x.scalar_type(), "rms_norm", [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     rms_norm_rows<T>(ptr<T>(x), nullptr, ptr<T>(weight), ptr<T>(out), nullptr, x.size(0), x.size(1),
                      static_cast<float>(eps));
@@ -106,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
               "residual: like x");
   auto out = at::empty_like(x), sum = at::empty_like(x);
-  dispatch(x.scalar_type(), "add_rms_norm", [&](auto* type) {
+  dispatch_float_type(x.scalar_type(), "add_rms_norm", [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     rms_norm_rows<T>(ptr<T>(x), ptr<T>(residual), ptr<T>(weight), ptr<T>(out), ptr<T>(sum), x.size(0), x.size(1),
                      static_cast<float>(eps));
@@ -127,7 +117,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
               "gate_up: a contiguous [T, 2 * inner] matrix");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   auto out = at::empty({rows, inner}, gate_up.options());
-  dispatch(gate_up.scalar_type(), "silu_and_mul", [&](auto* type) {
+  dispatch_float_type(gate_up.scalar_type(), "silu_and_mul", [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     const T* src = ptr<T>(gate_up);
     T* dst = ptr<T>(out);
@@ -155,7 +145,7 @@ void rotary_(at::Tensor& x, const at::Tensor& rotations) {
               rotations.numel() == x.size(0) * x.size(2), "rotations: [T, 1, head_dim / 2, 2] float32");
   const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
   const int64_t stride_t = x.stride(0), stride_h = x.stride(1);
-  dispatch(x.scalar_type(), "rotary_", [&](auto* type) {
+  dispatch_float_type(x.scalar_type(), "rotary_", [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     T* base = ptr<T>(x);
     const float* cos_sin = rotations.data_ptr<float>();

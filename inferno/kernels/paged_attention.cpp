@@ -270,16 +270,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                      k_cache.size(1), k_cache.size(2), q.size(2), block_tables.size(1), static_cast<float>(scale),
                      window);
   };
-  if (q.scalar_type() != k_cache.scalar_type()) {
-    run(static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
-    return out;
-  }
-  switch (q.scalar_type()) {
-    case at::kFloat: run(static_cast<float*>(nullptr), static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: run(static_cast<c10::Half*>(nullptr), static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16, got ", q.scalar_type());
-  }
+  dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), "paged_decode_attention", run);
   return out;
 }
 

@@ -34,6 +34,15 @@ constexpr int64_t kScoreRows = LANES == 16 ? 6 : 4;   // rows per score micro-ke
 constexpr int64_t kOutputRows = LANES == 16 ? 4 : 2;  // rows x kOutputChunks accumulators per output micro-kernel
 constexpr int64_t kOutputChunks = 4;
 
+// f(std::integral_constant<int64_t, BLOCK>{}, i) for i = 0, BLOCK, ... while a whole block fits in `count`, then
+// f(std::integral_constant<int64_t, 1>{}, i) for each of the rest: the micro-kernels' row and chunk blocking
+template <int64_t BLOCK, typename F>
+inline void in_blocks(int64_t count, F&& f) {
+  int64_t i = 0;
+  for (; i + BLOCK <= count; i += BLOCK) f(std::integral_constant<int64_t, BLOCK>{}, i);
+  for (; i < count; ++i) f(std::integral_constant<int64_t, 1>{}, i);
+}
+
 // The cache offset of key t of kv head h
 inline int64_t key_offset(const int64_t* table, int64_t h, int64_t t, int64_t num_blocks, int64_t block_size,
                           int64_t head_dim) {
@@ -133,27 +142,19 @@ struct FloatTile {
   }
 
   void score(int64_t rows, float* scores) const {
-    int64_t r = 0;
-    for (; r + kScoreRows <= rows; r += kScoreRows)
-      score_rows<kScoreRows>(q.data() + r * head_dim, keys.data(), scores + r * kKeyTile, head_dim);
-    for (; r < rows; ++r) score_rows<1>(q.data() + r * head_dim, keys.data(), scores + r * kKeyTile, head_dim);
-  }
-
-  template <int64_t ROWS>
-  void weigh_block(const float* p, float* out, int64_t live) const {
-    const int64_t chunks = head_dim / LANES;
-    int64_t c = 0;
-    for (; c + kOutputChunks <= chunks; c += kOutputChunks)
-      weigh_rows<ROWS, kOutputChunks>(p, values.data(), out, live, head_dim, c);
-    for (; c < chunks; ++c) weigh_rows<ROWS, 1>(p, values.data(), out, live, head_dim, c);
+    in_blocks<kScoreRows>(rows, [&](auto n, int64_t r) {
+      score_rows<decltype(n)::value>(q.data() + r * head_dim, keys.data(), scores + r * kKeyTile, head_dim);
+    });
   }
 
   // out[r] += p[r] . values for every row over the `live` keys (p: probabilities [rows][kKeyTile])
   void weigh(int64_t rows, const float* p, float* out, int64_t live) const {
-    int64_t r = 0;
-    for (; r + kOutputRows <= rows; r += kOutputRows)
-      weigh_block<kOutputRows>(p + r * kKeyTile, out + r * head_dim, live);
-    for (; r < rows; ++r) weigh_block<1>(p + r * kKeyTile, out + r * head_dim, live);
+    in_blocks<kOutputRows>(rows, [&](auto n, int64_t r) {
+      in_blocks<kOutputChunks>(head_dim / LANES, [&](auto chunks, int64_t c) {
+        weigh_rows<decltype(n)::value, decltype(chunks)::value>(p + r * kKeyTile, values.data(), out + r * head_dim,
+                                                                live, head_dim, c);
+      });
+    });
   }
 };
 
@@ -230,19 +231,9 @@ struct Bf16Tile {
 
   void score(int64_t rows, float* scores) const {
     const int64_t pairs = head_dim / 2;
-    int64_t r = 0;
-    for (; r + kScoreRows <= rows; r += kScoreRows)
-      score_rows_bf16<kScoreRows>(q.data() + r * pairs, keys.data(), scores + r * kKeyTile, pairs);
-    for (; r < rows; ++r) score_rows_bf16<1>(q.data() + r * pairs, keys.data(), scores + r * kKeyTile, pairs);
-  }
-
-  template <int64_t ROWS>
-  void weigh_block(const uint32_t* pr, float* out, int64_t key_pairs) const {
-    const int64_t chunks = head_dim / LANES;
-    int64_t c = 0;
-    for (; c + kOutputChunks <= chunks; c += kOutputChunks)
-      weigh_rows_bf16<ROWS, kOutputChunks>(pr, values.data(), out, key_pairs, head_dim, c);
-    for (; c < chunks; ++c) weigh_rows_bf16<ROWS, 1>(pr, values.data(), out, key_pairs, head_dim, c);
+    in_blocks<kScoreRows>(rows, [&](auto n, int64_t r) {
+      score_rows_bf16<decltype(n)::value>(q.data() + r * pairs, keys.data(), scores + r * kKeyTile, pairs);
+    });
   }
 
   void weigh(int64_t rows, const float* probabilities, float* out, int64_t live) {
@@ -253,10 +244,12 @@ struct Bf16Tile {
       _mm512_storeu_si512(p.data() + r * kKeyTile / 2, (__m512i)pair);
     }
     const int64_t key_pairs = (live + 1) / 2;
-    int64_t r = 0;
-    for (; r + kOutputRows <= rows; r += kOutputRows)
-      weigh_block<kOutputRows>(p.data() + r * kKeyTile / 2, out + r * head_dim, key_pairs);
-    for (; r < rows; ++r) weigh_block<1>(p.data() + r * kKeyTile / 2, out + r * head_dim, key_pairs);
+    in_blocks<kOutputRows>(rows, [&](auto n, int64_t r) {
+      in_blocks<kOutputChunks>(head_dim / LANES, [&](auto chunks, int64_t c) {
+        weigh_rows_bf16<decltype(n)::value, decltype(chunks)::value>(p.data() + r * kKeyTile / 2, values.data(),
+                                                                     out + r * head_dim, key_pairs, head_dim, c);
+      });
+    });
   }
 };
 #endif
@@ -369,39 +362,22 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(num_computed >= 0 && block_table.size(0) * k_cache.size(2) >= num_computed + q.size(0),
               "the block table must cover every position of the chunk");
   auto out = at::empty_like(q);
-  const auto run = [&](auto* tile_type, auto* type, auto* cache_type) {
-    using Tile = std::remove_pointer_t<decltype(tile_type)>;
+  dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), "paged_prefill_attention",
+                           [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
+#if defined(__AVX512BF16__)
+    using Tile = std::conditional_t<std::is_same_v<C, c10::BFloat16>, Bf16Tile, FloatTile<C>>;
+#else
+    using Tile = FloatTile<C>;
+#endif
     const ChunkKV<T> chunk{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            num_computed};
     prefill_kernel<Tile, T, C>(q.data_ptr<T>(), chunk, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                                block_table.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), num_computed,
                                q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),
                                static_cast<float>(scale), window);
-  };
-  if (q.scalar_type() != k_cache.scalar_type()) {
-    run(static_cast<FloatTile<c10::Half>*>(nullptr), static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
-    return out;
-  }
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      run(static_cast<FloatTile<float>*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-      break;
-    case at::kBFloat16:
-#if defined(__AVX512BF16__)
-      run(static_cast<Bf16Tile*>(nullptr), static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
-#else
-      run(static_cast<FloatTile<c10::BFloat16>*>(nullptr), static_cast<c10::BFloat16*>(nullptr),
-          static_cast<c10::BFloat16*>(nullptr));
-#endif
-      break;
-    case at::kHalf:
-      run(static_cast<FloatTile<c10::Half>*>(nullptr), static_cast<c10::Half*>(nullptr),
-          static_cast<c10::Half*>(nullptr));
-      break;
-    default: TORCH_CHECK(false, "paged_prefill_attention: float32, bfloat16 or float16, got ", q.scalar_type());
-  }
+  });
   return out;
 }
 
