@@ -4,8 +4,9 @@ Prefill side: the engine `hold`s a finished prompt's blocks under a transfer id;
 instance waits for pull requests (transfer id, first block wanted) and sends those blocks, layer by layer, then
 reports the transfer finished so the engine frees them. Decode side: the engine queues `KVPull`s; a transfer
 thread per prefill instance pairs with it, asks for the blocks it lacks and receives them into the blocks the
-engine allocated for the request. Both threads run beside the engine's steps; the blocks they read or
-write belong to no running request. Results come back through `take_finished`.
+engine allocated for the request. Both threads run beside the engine's steps, their copies on one core (no OpenMP
+pool of their own: `inferno/openmp.py`); the blocks they read or write belong to no running request. Results come
+back through `take_finished`.
 
 Wire format, on a pair's group: decode -> prefill [transfer id, first block]; prefill -> decode [number of
 blocks, or -1 for a transfer it does not hold]; then one message of bytes (any cache dtype): per KV tensor, layer
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from inferno.core.kv_transfer import KVPull, KVTransferResult
 from inferno.distributed.kv_pair import (
     DECODE_RANK, PREFILL_RANK, KVListener, connect, recv_ints, recv_tensor, send_ints, send_tensor)
+from inferno.openmp import run_ops_on_this_thread
 
 logger = logging.getLogger("inferno")
 
@@ -70,6 +72,7 @@ class KVConnector:
 
     def _serve(self, group: dist.ProcessGroup) -> None:
         """Answer one paired decode instance's pulls until its group breaks."""
+        run_ops_on_this_thread()  # the copies beside the engine's steps: no second OpenMP pool (inferno/openmp.py)
         while True:
             try:
                 transfer_id, first_block = recv_ints(group, 2, DECODE_RANK)
@@ -105,6 +108,7 @@ class KVConnector:
         self._pulls[address].put(pull)
 
     def _pull_loop(self, address: tuple[str, int]) -> None:
+        run_ops_on_this_thread()
         group = None
         while True:
             pull = self._pulls[address].get()

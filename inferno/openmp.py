@@ -1,0 +1,42 @@
+"""The OpenMP thread pools behind PyTorch's CPU ops, when more than one thread runs ops.
+
+libgomp keeps a pool of worker threads for every thread that has run a parallel region, for the life of that
+thread. Once it manages more threads than there are CPUs, it cuts its workers' spin-wait to 100 iterations
+(`gomp_throttled_spin_count`), so every parallel region pays futex wake-ups. A server loads the model on the
+main thread and steps it on the engine thread: with 2 threads on 2 cores, the main thread's idle worker alone
+made a SmolLM2 decode step 22 ms instead of 5.7 (4 streams). Hence: the thread that steps the engine is the
+only one that keeps a pool; a thread that hands its work over releases its own; helper threads beside the engine
+run their ops on themselves.
+"""
+import ctypes
+import functools
+
+import torch
+
+
+@functools.cache
+def _runtime() -> ctypes.CDLL | None:
+    """PyTorch's OpenMP runtime (its symbols are global in this process), or None where it has none."""
+    if not torch.backends.openmp.is_available():
+        return None
+    runtime = ctypes.CDLL(None)
+    return runtime if hasattr(runtime, "omp_pause_resource_all") else None
+
+
+OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the threads, not only idle them
+
+
+def release_thread_pool() -> None:
+    """Hand back the calling thread's OpenMP workers (the next parallel region it runs would start new ones)."""
+    runtime = _runtime()
+    if runtime is not None:
+        runtime.omp_pause_resource_all(OMP_PAUSE_HARD)
+
+
+def run_ops_on_this_thread() -> None:
+    """From now on this thread's ops run on it alone, without a pool of its own; other threads keep theirs.
+    (`torch.set_num_threads` would change every thread's count, and MKL's.)"""
+    runtime = _runtime()
+    if runtime is not None:
+        torch.get_num_threads()  # PyTorch sets a thread's OpenMP count on its first use; do it first
+        runtime.omp_set_num_threads(1)

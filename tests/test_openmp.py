@@ -1,0 +1,42 @@
+"""OpenMP pools when several threads run ops (inferno/openmp.py): the thread that hands the model over gives its
+workers back, a helper thread runs its ops without a pool of its own (AsyncLLM's use: test_server_async_llm.py)."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir() or not torch.backends.openmp.is_available(),
+                                reason="counts threads through Linux's /proc, of PyTorch's OpenMP runtime")
+
+# a child process, so that no other test's threads or pools are counted: the OS threads of the process after each
+# step, as a JSON list
+SCRIPT = textwrap.dedent("""
+    import json, os, threading, torch
+    from inferno.openmp import release_thread_pool, run_ops_on_this_thread
+    def threads(): return len(os.listdir("/proc/self/task"))
+    def parallel_work(): torch.ones(1 << 23).add_(1)  # large enough for a parallel region
+    torch.set_num_threads(4)
+    counts = {"start": threads()}
+    parallel_work(); counts["main pool"] = threads()
+    release_thread_pool(); counts["released"] = threads()
+    def helper():
+        run_ops_on_this_thread(); parallel_work()
+        counts["helper ran ops"] = threads(); counts["helper's count"] = torch.get_num_threads()
+    thread = threading.Thread(target=helper); thread.start(); thread.join()
+    counts["main's count"] = torch.get_num_threads()
+    print(json.dumps(counts))
+""")
+
+
+def test_pools_released_and_not_started():
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True)
+    counts = json.loads(result.stdout)
+    assert counts["main pool"] == counts["start"] + 3  # 4 threads: the main one and 3 workers
+    assert counts["released"] == counts["start"]
+    assert counts["helper ran ops"] == counts["start"] + 1  # the helper itself, no workers
+    assert counts["helper's count"] == 1 and counts["main's count"] == 4
+
