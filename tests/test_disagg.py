@@ -311,3 +311,27 @@ def test_error_fallback_fails_the_request_and_frees_its_blocks():
         assert_all_blocks_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_engine_waiting_only_for_a_transfer_sleeps_and_frees_the_hold_at_its_deadline():
+    """A prefill instance holding blocks for a decode instance that never pulls them has nothing to run: its steps
+    wait on the connector instead of spinning (a spinning loop kept a core and the GIL from the transfer threads),
+    and still free the blocks when the hold expires."""
+    engine = LLMEngine(EngineConfig(kv_role="prefill", kv_port=free_port(), kv_transfer_timeout=1,
+                                    kv_cache_memory=16 << 20, max_model_len=256, num_threads=1))
+    try:
+        params = SamplingParams(max_tokens=1, kv_transfer_params=KVTransferParams(do_remote_decode=True))
+        engine.add_request("r", {"prompt_token_ids": list(range(100, 140))}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.has_pending_kv_transfers() and engine.num_free_blocks < engine.num_blocks
+        start, cpu_start, steps = time.monotonic(), time.thread_time(), 0
+        while engine.has_pending_kv_transfers() and time.monotonic() - start < 10:
+            engine.step()
+            steps += 1
+        wall, cpu = time.monotonic() - start, time.thread_time() - cpu_start
+        assert not engine.has_pending_kv_transfers() and wall < 1.5  # freed at the 1 s deadline, not much later
+        assert cpu < 0.25 * wall and steps < 2 * wall / 0.005, (cpu, wall, steps)
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()

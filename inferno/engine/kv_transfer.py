@@ -131,6 +131,13 @@ class KVTransferManager:
                 self._free_held(transfer_id)
         return ended
 
+    def wait(self, timeout: float) -> None:
+        """Block until a transfer ends, `timeout` seconds pass, or a hold expires, whichever comes first."""
+        if self.held:
+            first_deadline = min(held.deadline for held in self.held.values())
+            timeout = max(0.0, min(timeout, first_deadline - time.monotonic()))
+        self.connector.wait_for_finished(timeout)
+
     def _free_held(self, transfer_id: int) -> None:
         self.kv_cache_manager.free_blocks(self.held.pop(transfer_id).block_ids)
 

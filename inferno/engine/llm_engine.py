@@ -25,6 +25,8 @@ from inferno.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("inferno")
 GRAMMAR_POLL_S = 0.02  # a step with nothing to run but grammars compiling waits this long for one
+# a step with nothing to run but KV transfers waits this long for one to end (new requests are taken after it)
+KV_TRANSFER_POLL_S = 0.005
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -163,7 +165,8 @@ class LLMEngine:
         failed = self._fail_grammars() + self._finish_kv_transfers()
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:
-            self.structured_output.wait_for_compile(GRAMMAR_POLL_S)
+            if not failed:
+                self._wait_for_work()
             return failed
         try:
             output = self.executor.execute_model(sched)
@@ -212,6 +215,14 @@ class LLMEngine:
             if req is not None:
                 outputs += self._fail([req], message)
         return outputs
+
+    def _wait_for_work(self) -> None:
+        """Nothing can run until a grammar compiles or a KV transfer ends: wait for one, briefly, rather than spin
+        the serving loop (a spinning loop kept a core and the GIL from the threads that move the KV)."""
+        if self.structured_output.pending:
+            self.structured_output.wait_for_compile(GRAMMAR_POLL_S)
+        elif self.has_pending_kv_transfers():
+            self.kv_transfers.wait(KV_TRANSFER_POLL_S)
 
     def _finish_kv_transfers(self) -> list[RequestOutput]:
         """Requests whose pulled KV arrived get their first token (the prefill instance's); failed pulls fall

@@ -42,6 +42,7 @@ class KVConnector:
         self.layout = json.dumps([[t.shape[0], *t.shape[2:], str(t.dtype)] for t in kv_caches])
         self._lock = threading.Lock()
         self._finished: list[KVTransferResult] = []
+        self._any_finished = threading.Event()  # set while `_finished` is not empty
         if role == "prefill":
             self._held: dict[int, list[int]] = {}  # transfer id -> blocks, until a decode instance pulls them
             self.listener = KVListener(host, port, backend, self.layout, timeout, self._start_serving)
@@ -51,11 +52,17 @@ class KVConnector:
     def take_finished(self) -> list[KVTransferResult]:
         with self._lock:
             finished, self._finished = self._finished, []
+            self._any_finished.clear()
         return finished
+
+    def wait_for_finished(self, timeout: float) -> None:
+        """Block until a transfer has ended (and is not taken yet), at most `timeout` seconds."""
+        self._any_finished.wait(timeout)
 
     def _report(self, result: KVTransferResult) -> None:
         with self._lock:
             self._finished.append(result)
+            self._any_finished.set()
 
     # prefill side
     def hold(self, transfer_id: int, block_ids: list[int]) -> None:
