@@ -1,5 +1,5 @@
-"""OpenMP pools when several threads run ops (inferno/openmp.py): the thread that hands the model over gives its
-workers back, a helper thread runs its ops without a pool of its own (AsyncLLM's use: test_server_async_llm.py)."""
+"""OpenMP pools when several threads run ops (inferno/openmp.py): the thread that loaded the model gives its workers
+back, a helper thread runs its ops without a pool of its own."""
 import json
 import subprocess
 import sys
@@ -40,3 +40,24 @@ def test_pools_released_and_not_started():
     assert counts["helper ran ops"] == counts["start"] + 1  # the helper itself, no workers
     assert counts["helper's count"] == 1 and counts["main's count"] == 4
 
+
+
+ENGINE_SCRIPT = textwrap.dedent("""
+    import os, torch
+    from inferno.config import EngineConfig
+    from inferno.engine.llm_engine import LLMEngine
+    def threads(): return len(os.listdir("/proc/self/task"))
+    engine = LLMEngine(EngineConfig(num_threads=4, enforce_eager=True, max_model_len=256, kv_cache_memory=16 << 20))
+    engine.model_runner.wait_for_warm_up()  # its thread (and any pool of its own) is gone
+    before = threads()
+    torch.ones(1 << 23).add_(1)
+    print(threads() - before)
+""")
+
+
+def test_the_engine_gives_the_loading_threads_workers_back():
+    """Loading ran parallel work on this thread; once the engine is built, the next parallel region here has to
+    start its workers again (3 of them with 4 threads): whichever thread steps the engine is the only one with a
+    pool, as AsyncLLM's engine thread in `inferno serve`."""
+    result = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], capture_output=True, text=True, check=True)
+    assert int(result.stdout.split()[-1]) == 3

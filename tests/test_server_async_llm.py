@@ -1,12 +1,10 @@
 """AsyncLLM in-process: concurrent streams, aborts that free blocks, engine failures that end only their requests."""
 import asyncio
-import threading
 
 import pytest
 
 from inferno import LLMEngine, SamplingParams
 from inferno.config import EngineConfig
-from inferno.engine import async_llm as async_llm_module
 from inferno.engine.async_llm import AsyncLLM, RequestFailedError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -106,15 +104,3 @@ def test_a_crashing_engine_step_ends_what_is_in_flight_and_serving_goes_on(engin
 
     monkeypatch.setattr(engine, "step", crash_once)
     run(engine, scenario)
-
-
-def test_start_gives_the_loading_threads_openmp_workers_back(engine, monkeypatch):
-    """The engine thread steps the model from now on: the thread that starts it (the one that loaded the model, in
-    `inferno serve`) releases its pool, or libgomp throttles every pool (inferno/openmp.py)."""
-    released_on = []
-    monkeypatch.setattr(async_llm_module, "release_thread_pool", lambda: released_on.append(threading.get_ident()))
-
-    async def scenario(async_llm: AsyncLLM) -> None:
-        assert len(await collect(async_llm, "One two three", "r")) == 6
-    run(engine, scenario)
-    assert released_on == [threading.get_ident()]

@@ -18,7 +18,6 @@ from inferno.engine.kv_transfer import KVTransferStats
 from inferno.engine.llm_engine import LLMEngine
 from inferno.executor import ExecutorDeadError
 from inferno.loader.tokenizer import Tokenizer
-from inferno.openmp import release_thread_pool
 from inferno.outputs import RequestOutput
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.spec_decode.metrics import SpecDecodingStats
@@ -142,10 +141,8 @@ class AsyncLLM:
 
     # lifecycle (event loop side)
     def start(self) -> None:
-        """Start the engine thread; outputs are delivered to the running event loop. The model's work moves to the
-        engine thread, so this one (which loaded the model) gives its OpenMP workers back (`inferno/openmp.py`)."""
+        """Start the engine thread; outputs are delivered to the running event loop."""
         assert self._thread is None, "AsyncLLM already started"
-        release_thread_pool()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run_engine_loop, name="inferno-engine", daemon=True)
         self._thread.start()

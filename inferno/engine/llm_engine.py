@@ -17,6 +17,7 @@ from inferno.engine.stop_checker import StopChecker
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.core.startup_gc import gc_paused
 from inferno.executor import ExecutorDeadError, make_executor
+from inferno.openmp import release_thread_pool
 from inferno.outputs import RequestOutput
 from inferno.request import Request, RequestStatus
 from inferno.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, stop_checker, self.structured_output,
                                    self.kv_transfers)
         self.beam_searches: dict[str, BeamSearch] = {}
+        # the model is loaded: this thread gives its OpenMP workers back, so that the thread which steps the engine
+        # (this one again, or AsyncLLM's engine thread, or a caller's) is the only one with a pool (inferno/openmp.py)
+        release_thread_pool()
 
     @property
     def model_runner(self):
