@@ -268,12 +268,16 @@ def test_decode_killed_mid_transfer_frees_the_prefill_blocks_and_the_proxy_stops
     answers = []
     body = {"prompt": "Tell me a long story about the sea. " * 12, "max_tokens": 200, "stream": True,
             "ignore_eos": True}
+    # stopped, the decode instance cannot pull: the prefill instance holds the blocks until the kill (a running one
+    # pulls them within milliseconds, too soon to be seen); the proxy still counts it healthy for its 2 s timeout
+    decode.process.send_signal(signal.SIGSTOP)
     request = threading.Thread(target=lambda: answers.append(
         httpx.post(f"{proxy.url}/v1/completions", timeout=60, json=body)))
     request.start()
     deadline = time.monotonic() + 30
     while prefill.metrics()["inferno:kv_cache_usage_perc"] == 0 and time.monotonic() < deadline:
         time.sleep(0.005)  # until the prefill instance holds the prompt's blocks for the decode instance
+    assert prefill.metrics()["inferno:kv_cache_usage_perc"] > 0
     decode.process.send_signal(signal.SIGKILL)
     request.join()
     assert "error" in answers[0].text  # a 503, or an error event in the stream
