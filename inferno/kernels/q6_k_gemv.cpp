@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_vectors.h"
 #include "quantized_rows.h"
 
 namespace {
@@ -77,12 +78,9 @@ inline __m512i high_codes(__m512i ql, __m512i qh, const HighBits& shift) {
 
 inline void store_group(float* out, __m512 w) { _mm512_storeu_ps(out, w); }
 
-inline void store_group(uint16_t* out, __m512 w) {  // bfloat16, rounded to nearest even as to_bfloat16
-  const __m512i bits = _mm512_castps_si512(w);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+inline void store_group(uint16_t* out, __m512 w) {  // bfloat16 bits, rounded to nearest even
+  const ushortv bits = to_bfloat16(static_cast<floatv>(w));
+  std::memcpy(out, &bits, sizeof(bits));
 }
 
 // The super-block's 256 weights (d sc_g) (q - 32), a group of 16 per vector: the products the scalar dequantizer
