@@ -1,18 +1,25 @@
 """GGUF Q4_K run as stored (layers/q4_k.py, kernels/q4_k_gemv.cpp): the super-blocks hold the file's weights bit
 for bit (no repack at load), the kernel computes the float sums of the int8-rounded rows on every path this CPU can
 run (the -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized
-weight for decode-sized and large batches."""
+weight for decode-sized and large batches. The tiles the warm-up regroups the blocks into keep every value, their
+kernel computes the same sums on every path, and switching an engine to them changes no token."""
+import threading
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
 from inferno.kernels import q4_k_gemv
+from inferno import LLM, SamplingParams
 from inferno.layers import q4_k
 from inferno.layers.q4_k import Q4KBlocks, Q4KLinear
+from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
-from narrow_builds import narrow_build_outputs
+from inferno.worker.huge_pages import tensor_span, weight_ranges
+from inferno.worker.model_runner import ModelRunner
+from narrow_builds import narrow_build_outputs, narrow_build_run
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks, write_tiny_gguf
 
@@ -148,3 +155,107 @@ def test_kernel_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="x must be 2-D, float32"):
         torch.ops.inferno.q4_k_matmul(torch.randn(2, 512).double(), blocks)
     assert torch.ops.inferno.q4_k_matmul(torch.randn(0, 512), blocks).shape == (0, 4)
+
+
+def untile(tiles: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Q4_K rows [n, k / 256 * 144] rebuilt from q4_k_tile's layout (the kernel file's description), to check that
+    the tiles keep every value of the stored blocks."""
+    supers = k // 256
+    t = tiles.reshape(n // 16, supers, 2368)
+    d, dmin = t[..., 0:32].view(np.float16), t[..., 32:64].view(np.float16)  # [tiles, supers, 16]
+    sc, mn = t[..., 64:192].reshape(-1, supers, 8, 16), t[..., 192:320].reshape(-1, supers, 8, 16)
+    groups = t[..., 320:].reshape(-1, supers, 32, 16, 4)  # [tiles, supers, group, row, c]
+    codes = np.concatenate([groups & 0x0F, groups >> 4], axis=-1)  # columns 8 g + c, c < 8
+    codes = codes.transpose(0, 3, 1, 2, 4).reshape(n, supers, 256)
+    w = (d.transpose(0, 2, 1).reshape(n, supers, 1).astype(np.float32)
+         * sc.transpose(0, 3, 1, 2).reshape(n, supers, 8).repeat(32, axis=2) * codes
+         - dmin.transpose(0, 2, 1).reshape(n, supers, 1).astype(np.float32)
+         * mn.transpose(0, 3, 1, 2).reshape(n, supers, 8).repeat(32, axis=2))
+    return w.reshape(n, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("extreme", [False, True], ids=["random", "extreme"])
+def test_tiles_keep_every_value_of_the_stored_blocks(extreme):
+    raw = random_q4_k(32, 1792, seed=extreme, extreme=extreme)
+    tiles = torch.ops.inferno.q4_k_tile(torch.from_numpy(raw)).numpy()
+    assert tiles.shape == (2, 7 * 2368)
+    expected = gguf.quants.dequantize(raw, T.Q4_K)
+    # the same float32 products as gguf's (d * sc) * q - (dmin * m): bit for bit
+    assert np.array_equal(untile(tiles, 32, 1792), expected, equal_nan=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 40, 130])  # 130: two panels of rows (128 each)
+@pytest.mark.parametrize("k", [256, 1792, 8960])
+def test_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
+    x, raw = kernel_inputs(m, 80, k)  # 5 tiles: a group of 4 and one more, split between threads
+    tiles = torch.ops.inferno.q4_k_tile(torch.from_numpy(raw))
+    assert_close_to(torch.ops.inferno.q4_k_tiles_matmul(x, tiles), kernel_reference(x, raw))
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
+                         ids=["avx2", "avx2-without-vnni", "plain"])
+def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, flags):
+    xs_raws = [kernel_inputs(m, 48, 1792) for m in (1, 5)]
+    raw = xs_raws[0][1]
+    xs = [x for x, _ in xs_raws]
+    code = ("xs, blocks = inputs\nops = torch.ops.inferno\n"
+            "outputs = [ops.q4_k_tiles_matmul(x, ops.q4_k_tile(blocks)) for x in xs]")
+    ys = narrow_build_run(tmp_path, ["q4_k_gemv.cpp"], flags, code, (xs, torch.from_numpy(raw)))
+    for x, y in zip(xs, ys):
+        assert_close_to(y, kernel_reference(x, raw))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, q4_k.Q4_K_DEQUANTIZE_FROM_ROWS + 1])
+def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
+    raw = random_q4_k(208, 512, seed=rows)
+    layer = Q4KLinear(Q4KBlocks(torch.from_numpy(raw)), bias=torch.randn(208))
+    x = torch.randn(2, rows, 512)
+    untiled = layer(x)
+    assert layer.can_tile and layer.unread_buffers == ()
+    layer.tile()
+    assert layer.tiles is not None and layer.unread_buffers == ("weight",)
+    ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)).t() + layer.bias
+    y = layer(x)
+    assert y.shape == (2, rows, 208)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations
+    if rows < q4_k.Q4_K_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the kernel on the stored blocks
+        torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
+    torch.testing.assert_close(layer.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)))
+
+
+def test_a_weight_of_rows_not_a_multiple_of_16_is_not_tiled():
+    layer = Q4KLinear(Q4KBlocks(torch.from_numpy(random_q4_k(200, 512, seed=0))))
+    layer.tile()
+    assert not layer.can_tile and layer.tiles is None
+
+
+@needs_kernel
+def test_the_warm_up_tiles_the_engines_q4_k_weights_without_changing_a_token(tmp_path, monkeypatch):
+    """Requests run on the stored blocks, the warm-up thread regroups them into tiles (held back here until they
+    are done), later requests run on those: the same tokens; the stored blocks are no longer among the weights moved
+    onto huge pages."""
+    release = threading.Event()
+    tile_weights = ModelRunner._tile_weights
+    monkeypatch.setattr(ModelRunner, "_tile_weights", lambda self: (release.wait(), tile_weights(self)))
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", T.Q4_K))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    llm = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
+    runner = llm.llm_engine.model_runner
+    layers = [m for m in runner.model.modules() if isinstance(m, SuperBlockLinear)]
+    assert layers and all(m.can_tile for m in layers)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(m.tiles is None for m in layers)
+    release.set()
+    runner.wait_for_warm_up()
+    assert all(m.tiles is not None for m in layers)
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert after == before
+    ranges = weight_ranges(runner.model)
+    for m in layers:
+        start, end = tensor_span(m.weight)
+        assert not any(s < end and start < e for s, e in ranges)

@@ -148,11 +148,21 @@ def q6_k_gemv():
     return torch.ops.inferno if _super_block_gemv(T.Q6_K) else None
 
 
+Q4_K_TILE_ROWS = 16  # weight rows per tile of q4_k_tile (q4_k_gemv.cpp)
+
+
 @functools.cache
 def q4_k_gemv():
-    """The `torch.ops.inferno` namespace holding `q4_k_matmul` and `q4_k_dequantize` (see q4_k_gemv.cpp), or None
-    when they cannot be built."""
-    return torch.ops.inferno if _super_block_gemv(T.Q4_K) else None
+    """The `torch.ops.inferno` namespace holding `q4_k_matmul`, `q4_k_dequantize`, `q4_k_tile` and
+    `q4_k_tiles_matmul` (see q4_k_gemv.cpp), or None when they cannot be built."""
+    if not _super_block_gemv(T.Q4_K):
+        return None
+
+    @torch.library.register_fake("inferno::q4_k_tiles_matmul")
+    def _(x, tiles):
+        return x.new_empty(x.shape[0], tiles.shape[0] * Q4_K_TILE_ROWS)
+
+    return torch.ops.inferno
 
 
 # the types whose blocks carry a min: gguf_to_q8 returns their mins (an empty tensor for the others)

@@ -256,14 +256,250 @@ at::Tensor q4_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
   });
 }
 
+// ---- tiles: the same super-blocks regrouped, losslessly, for kernels that put weight rows in vector lanes ----
+// A tile is TILE_ROWS consecutive weight rows. Per super-block of a tile, TILE_BLOCK_BYTES bytes: d[16] and dmin[16]
+// (float16, as stored), sc[8][16] and m[8][16] (the 6-bit scales and mins unpacked to a byte each), then the codes in
+// 32 groups of 8 columns: byte 4 r + c of group g holds row r's codes of columns 8 g + c (low nibble) and 8 g + 4 + c
+// (high nibble), c < 4. The 64 low (high) nibbles of a group are then 16 rows' 4 consecutive codes, one int32 lane
+// per weight row: one VNNI instruction with 4 codes of a row of x broadcast adds 4 products to each of 16 outputs
+// (no horizontal sums, one load of codes for every row of x), and the scales and mins of a sub-block are a vector.
+// Every value of the stored blocks is kept: 4.625 bits per weight instead of 4.5.
+constexpr int64_t TILE_ROWS = 16;
+constexpr int64_t TILE_BLOCK_BYTES = 2368;
+constexpr int64_t TILE_SCALES = 64, TILE_MINS = 192, TILE_CODES = 320;  // byte offsets in a tile's super-block
+
+// The 16 rows' super-blocks `rows[r]` as one tile super-block at `out`.
+void tile_super_block(const uint8_t* const* rows, uint8_t* out) {
+  for (int64_t r = 0; r < TILE_ROWS; ++r) {
+    const uint8_t* blk = rows[r];
+    std::memcpy(out + 2 * r, blk, 2);
+    std::memcpy(out + 2 * TILE_ROWS + 2 * r, blk + 2, 2);
+    uint8_t sc[SUB_BLOCKS], mn[SUB_BLOCKS], codes[QK_K];
+    k_scales(blk + 4, sc, mn);
+    for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
+      out[TILE_SCALES + TILE_ROWS * j + r] = sc[j];
+      out[TILE_MINS + TILE_ROWS * j + r] = mn[j];
+      sub_block_codes(blk, j, codes + X_BLOCK * j);
+    }
+    for (int64_t g = 0; g < QK_K / 8; ++g)
+      for (int64_t c = 0; c < 4; ++c)
+        out[TILE_CODES + 64 * g + 4 * r + c] = static_cast<uint8_t>(codes[8 * g + c] | (codes[8 * g + 4 + c] << 4));
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t TILE_ROW_BLOCK = 8;  // rows of x per pass: 8 integer and 8 float accumulators
+
+// One tile's 16 outputs for R rows of x (from row r0), super-blocks [s0, s1): per sub-block and row of x, 8 VNNI
+// instructions into an integer vector, then one float multiply-add with d sc_j times the block's xs, one with
+// dmin m_j times the block's sum. The results are added to y unless `first`.
+template <int64_t R>
+void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t k, int64_t s0,
+               int64_t s1, bool first) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * TILE_ROWS)));
+    for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
+      const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 320 * j;  // a decode step streams the weights: 2 KB ahead
+      for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+      const __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + TILE_SCALES + TILE_ROWS * j)))));
+      const __m512 wm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + TILE_MINS + TILE_ROWS * j)))));
+      __m512i dots[R];
+      for (int64_t r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int64_t g = 4 * j; g < 4 * j + 4; ++g) {
+        const __m512i codes = _mm512_loadu_si512(b + TILE_CODES + 64 * g);
+        const __m512i low = _mm512_and_si512(codes, low4), high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+        for (int64_t r = 0; r < R; ++r) {
+          const int8_t* xg = q.codes.data() + (r0 + r) * k + s * QK_K + 8 * g;
+          int32_t x_low, x_high;
+          std::memcpy(&x_low, xg, 4);
+          std::memcpy(&x_high, xg + 4, 4);
+          dots[r] = _mm512_dpbusd_epi32(dots[r], low, _mm512_set1_epi32(x_low));
+          dots[r] = _mm512_dpbusd_epi32(dots[r], high, _mm512_set1_epi32(x_high));
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t xb = ((r0 + r) * k + s * QK_K) / X_BLOCK + j;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(ws, _mm512_set1_ps(q.scales[xb])), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(q.sums[xb]), acc[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* out = y + (r0 + r) * n;
+    _mm512_storeu_ps(out, first ? acc[r] : _mm512_add_ps(acc[r], _mm512_loadu_ps(out)));
+  }
+}
+#elif defined(__AVX2__)
+constexpr int64_t TILE_ROW_BLOCK = 4;
+
+inline __m256i add_lane_dots(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, lane_dots(w, x));
+#endif
+}
+
+inline __m256 bytes_as_floats(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1)
+template <int64_t R>
+void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t k, int64_t s0,
+               int64_t s1, bool first) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    __m256 d[2], dmin[2];
+    for (int64_t h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
+      dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * TILE_ROWS + 16 * h)));
+    }
+    for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
+      __m256i dots[R][2];
+      for (int64_t r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+      for (int64_t g = 4 * j; g < 4 * j + 4; ++g) {
+        __m256i low[2], high[2];
+        for (int64_t h = 0; h < 2; ++h) {
+          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + TILE_CODES + 64 * g + 32 * h));
+          low[h] = _mm256_and_si256(codes, low4);
+          high[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          const int8_t* xg = q.codes.data() + (r0 + r) * k + s * QK_K + 8 * g;
+          int32_t x_low, x_high;
+          std::memcpy(&x_low, xg, 4);
+          std::memcpy(&x_high, xg + 4, 4);
+          const __m256i xl = _mm256_set1_epi32(x_low), xh = _mm256_set1_epi32(x_high);
+          for (int64_t h = 0; h < 2; ++h)
+            dots[r][h] = add_lane_dots(add_lane_dots(dots[r][h], low[h], xl), high[h], xh);
+        }
+      }
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256 ws = _mm256_mul_ps(d[h], bytes_as_floats(b + TILE_SCALES + TILE_ROWS * j + 8 * h));
+        const __m256 wm = _mm256_mul_ps(dmin[h], bytes_as_floats(b + TILE_MINS + TILE_ROWS * j + 8 * h));
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t xb = ((r0 + r) * k + s * QK_K) / X_BLOCK + j;
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]),
+                                      _mm256_mul_ps(ws, _mm256_set1_ps(q.scales[xb])), acc[r][h]);
+          acc[r][h] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(q.sums[xb]), acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < 2; ++h) {
+      float* out = y + (r0 + r) * n + 8 * h;
+      _mm256_storeu_ps(out, first ? acc[r][h] : _mm256_add_ps(acc[r][h], _mm256_loadu_ps(out)));
+    }
+}
+#else
+constexpr int64_t TILE_ROW_BLOCK = 1;
+
+template <int64_t R>
+void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t k, int64_t s0,
+               int64_t s1, bool first) {
+  static_assert(R == 1);
+  float acc[TILE_ROWS] = {};
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
+      int32_t dots[TILE_ROWS] = {};
+      for (int64_t g = 4 * j; g < 4 * j + 4; ++g)
+        for (int64_t lane = 0; lane < 64; ++lane) {
+          const int64_t column = s * QK_K + 8 * g + lane % 4, row = lane / 4;
+          const uint8_t codes = b[TILE_CODES + 64 * g + lane];
+          dots[row] += int32_t{codes & 0x0F} * q.codes[r0 * k + column] + int32_t{codes >> 4} * q.codes[r0 * k + column + 4];
+        }
+      const int64_t xb = (r0 * k + s * QK_K) / X_BLOCK + j;
+      for (int64_t row = 0; row < TILE_ROWS; ++row) {
+        const float scale = half_at(b + 2 * row) * static_cast<float>(b[TILE_SCALES + TILE_ROWS * j + row]);
+        const float min = half_at(b + 2 * TILE_ROWS + 2 * row) * static_cast<float>(b[TILE_MINS + TILE_ROWS * j + row]);
+        acc[row] += static_cast<float>(dots[row]) * (scale * q.scales[xb]) - min * q.sums[xb];
+      }
+    }
+  }
+  for (int64_t row = 0; row < TILE_ROWS; ++row) add_partial(y + r0 * n + row, acc[row], first);
+}
+#endif
+
+constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them
+constexpr int64_t ROW_PANEL = 128;  // rows of x per pass over all of a thread's tiles: they stay in L2
+
+void q4_k_tiles_matmul_rows(const QuantizedRows& q, const uint8_t* tiles, float* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t supers = k / QK_K, tile_bytes = supers * TILE_BLOCK_BYTES;
+  const int64_t chunk = k_chunk(std::min(m, TILE_ROW_BLOCK), k, 1);  // x: its codes
+  at::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = 0; panel < m; panel += ROW_PANEL)
+      for (int64_t group = begin; group < end; group += TILE_GROUP)
+        for (int64_t s0 = 0; s0 < supers; s0 += chunk)
+          for_row_blocks<TILE_ROW_BLOCK>(std::min(ROW_PANEL, m - panel), [&](auto rows, int64_t r) {
+            for (int64_t t = group; t < std::min(end, group + TILE_GROUP); ++t)
+              tile_rows<decltype(rows)::value>(q, panel + r, tiles + t * tile_bytes, y + t * TILE_ROWS, n, k, s0,
+                                               std::min(supers, s0 + chunk), s0 == 0);
+          });
+  });
+}
+
+// blocks [N, K / 256 * 144] uint8, N a multiple of 16 -> tiles [N / 16, K / 256 * 2368] uint8
+at::Tensor q4_k_tile(const at::Tensor& blocks) {
+  check_super_blocks(blocks, BLOCK_BYTES, "Q4_K");
+  const int64_t n = blocks.size(0), supers = blocks.size(1) / BLOCK_BYTES;
+  TORCH_CHECK(n % TILE_ROWS == 0, "Q4_K tiles take a multiple of ", TILE_ROWS, " rows, got ", n);
+  auto tiles = at::empty({n / TILE_ROWS, supers * TILE_BLOCK_BYTES}, blocks.options());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  uint8_t* tp = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, n / TILE_ROWS * supers, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {  // u = tile * supers + super-block: tiles' order
+      const int64_t t = u / supers, s = u % supers;
+      const uint8_t* rows[TILE_ROWS];
+      for (int64_t r = 0; r < TILE_ROWS; ++r) rows[r] = bp + ((t * TILE_ROWS + r) * supers + s) * BLOCK_BYTES;
+      tile_super_block(rows, tp + u * TILE_BLOCK_BYTES);
+    }
+  });
+  return tiles;
+}
+
+// x [M, K] float32; tiles [N / 16, K / 256 * 2368] uint8 (q4_k_tile) -> [M, N] float32, the sums of q4_k_matmul
+at::Tensor q4_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+              tiles.size(1) % TILE_BLOCK_BYTES == 0,
+              "tiles must be contiguous uint8 [N / 16, K / 256 * ", TILE_BLOCK_BYTES, "] (Q4_K tiles), got ",
+              tiles.scalar_type(), " ", tiles.sizes());
+  const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * TILE_ROWS;
+  TORCH_CHECK(k % QK_K == 0 && tiles.size(1) == k / QK_K * TILE_BLOCK_BYTES, "x has ", k,
+              " columns but the tiles hold ", tiles.size(1) / TILE_BLOCK_BYTES * QK_K);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  q4_k_tiles_matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), tiles.data_ptr<uint8_t>(), y.data_ptr<float>(),
+                         m, n, k);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("q4_k_matmul(Tensor x, Tensor blocks) -> Tensor");
   m.def("q4_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
+  m.def("q4_k_tile(Tensor blocks) -> Tensor");
+  m.def("q4_k_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("q4_k_matmul", &q4_k_matmul);
   m.impl("q4_k_dequantize", &q4_k_dequantize);
+  m.impl("q4_k_tile", &q4_k_tile);
+  m.impl("q4_k_tiles_matmul", &q4_k_tiles_matmul);
 }

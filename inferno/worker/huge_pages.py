@@ -62,11 +62,22 @@ def read_mappings() -> list[Mapping]:
     return mappings
 
 
+def tensor_span(t: torch.Tensor) -> tuple[int, int]:
+    """The [start, end) addresses of the bytes a tensor's elements lie in."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
 def weight_ranges(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """The [start, end) addresses of the storages of the model's parameters and buffers, overlapping ones merged
-    (never across a gap, however small: the allocator may have put other objects there)."""
-    storages = [t.untyped_storage() for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"]
-    spans = sorted({(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages if s.nbytes()})
+    """The [start, end) addresses of the model's parameters and buffers that its forward reads (not a module's
+    `unread_buffers`: a weight regrouped into tiles), overlapping ones merged (never across a gap, however small:
+    the allocator may have put other objects there)."""
+    tensors = []
+    for module in model.modules():
+        unread = getattr(module, "unread_buffers", ())
+        named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        tensors += [t for name, t in named if name not in unread]
+    spans = sorted({tensor_span(t) for t in tensors if t.device.type == "cpu" and t.numel()})
     merged: list[tuple[int, int]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:

@@ -16,6 +16,7 @@ from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.model.llama import LlamaForCausalLM
 from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
@@ -23,7 +24,7 @@ from inferno.worker.pipeline import run_first_stage, run_later_stage
 from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.huge_pages import move_weights_to_huge_pages
-from inferno.worker.kv_cache import lazily_zeroed
+from inferno.worker.kv_cache import available_memory, lazily_zeroed
 from inferno.worker.request_state import CachedRequestState, update_states
 
 
@@ -126,6 +127,8 @@ class ModelRunner:
         keeps its core."""
         lower_thread_priority()
         self.first_step_done.wait(WARM_UP_DELAY)
+        if self.device.type == "cpu":
+            self._tile_weights()  # first: the compiled graphs run the tiles
         if compile_decode:
             self._compile_decode_step()
         if self.device.type == "cpu":
@@ -133,6 +136,27 @@ class ModelRunner:
                 move_weights_to_huge_pages(self.model)
             except Exception:  # an optimisation: serving goes on from the pages the weights are on
                 logger.exception("moving the weights onto huge pages failed; they stay where they are")
+
+    def _tile_weights(self) -> None:
+        """Regroup the quantized weights that have tiles (`SuperBlockLinear.tile`), unless the copies would take
+        over half the memory available."""
+        layers = [m for m in self.model.modules() if isinstance(m, SuperBlockLinear) and m.can_tile]
+        size = sum(m.weight.nbytes for m in layers)
+        if not layers or size > available_memory() // 2:
+            if layers:
+                logger.info("weights stay untiled: tiles of %.2f GiB would take over half the memory available",
+                            size / 2**30)
+            return
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for layer in layers:
+                    layer.tile()
+        except Exception:  # an optimisation: the layers not tiled run their stored blocks
+            logger.exception("regrouping the weights into tiles failed")
+            return
+        logger.info("%d quantized weights regrouped into tiles (%.2f GiB) in %.2f s", len(layers), size / 2**30,
+                    time.perf_counter() - start)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
