@@ -264,7 +264,6 @@ at::Tensor q4_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
 // per weight row: one VNNI instruction with 4 codes of a row of x broadcast adds 4 products to each of 16 outputs
 // (no horizontal sums, one load of codes for every row of x), and the scales and mins of a sub-block are a vector.
 // Every value of the stored blocks is kept: 4.625 bits per weight instead of 4.5.
-constexpr int64_t TILE_ROWS = 16;
 constexpr int64_t TILE_BLOCK_BYTES = 2368;
 constexpr int64_t TILE_SCALES = 64, TILE_MINS = 192, TILE_CODES = 320;  // byte offsets in a tile's super-block
 
@@ -434,53 +433,22 @@ void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y
 }
 #endif
 
-constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them
-constexpr int64_t ROW_PANEL = 128;  // rows of x per pass over all of a thread's tiles: they stay in L2
-
 void q4_k_tiles_matmul_rows(const QuantizedRows& q, const uint8_t* tiles, float* y, int64_t m, int64_t n, int64_t k) {
-  const int64_t supers = k / QK_K, tile_bytes = supers * TILE_BLOCK_BYTES;
-  const int64_t chunk = k_chunk(std::min(m, TILE_ROW_BLOCK), k, 1);  // x: its codes
-  at::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = 0; panel < m; panel += ROW_PANEL)
-      for (int64_t group = begin; group < end; group += TILE_GROUP)
-        for (int64_t s0 = 0; s0 < supers; s0 += chunk)
-          for_row_blocks<TILE_ROW_BLOCK>(std::min(ROW_PANEL, m - panel), [&](auto rows, int64_t r) {
-            for (int64_t t = group; t < std::min(end, group + TILE_GROUP); ++t)
-              tile_rows<decltype(rows)::value>(q, panel + r, tiles + t * tile_bytes, y + t * TILE_ROWS, n, k, s0,
-                                               std::min(supers, s0 + chunk), s0 == 0);
-          });
+  const int64_t tile_bytes = k / QK_K * TILE_BLOCK_BYTES;
+  for_tiles<TILE_ROW_BLOCK>(m, n, k, [&](auto rows, int64_t r, int64_t t, int64_t s0, int64_t s1) {
+    tile_rows<decltype(rows)::value>(q, r, tiles + t * tile_bytes, y + t * TILE_ROWS, n, k, s0, s1, s0 == 0);
   });
 }
 
 // blocks [N, K / 256 * 144] uint8, N a multiple of 16 -> tiles [N / 16, K / 256 * 2368] uint8
 at::Tensor q4_k_tile(const at::Tensor& blocks) {
-  check_super_blocks(blocks, BLOCK_BYTES, "Q4_K");
-  const int64_t n = blocks.size(0), supers = blocks.size(1) / BLOCK_BYTES;
-  TORCH_CHECK(n % TILE_ROWS == 0, "Q4_K tiles take a multiple of ", TILE_ROWS, " rows, got ", n);
-  auto tiles = at::empty({n / TILE_ROWS, supers * TILE_BLOCK_BYTES}, blocks.options());
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  uint8_t* tp = tiles.data_ptr<uint8_t>();
-  at::parallel_for(0, n / TILE_ROWS * supers, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {  // u = tile * supers + super-block: tiles' order
-      const int64_t t = u / supers, s = u % supers;
-      const uint8_t* rows[TILE_ROWS];
-      for (int64_t r = 0; r < TILE_ROWS; ++r) rows[r] = bp + ((t * TILE_ROWS + r) * supers + s) * BLOCK_BYTES;
-      tile_super_block(rows, tp + u * TILE_BLOCK_BYTES);
-    }
-  });
-  return tiles;
+  return tiled(blocks, BLOCK_BYTES, TILE_BLOCK_BYTES, "Q4_K", tile_super_block);
 }
 
 // x [M, K] float32; tiles [N / 16, K / 256 * 2368] uint8 (q4_k_tile) -> [M, N] float32, the sums of q4_k_matmul
 at::Tensor q4_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
-              tiles.size(1) % TILE_BLOCK_BYTES == 0,
-              "tiles must be contiguous uint8 [N / 16, K / 256 * ", TILE_BLOCK_BYTES, "] (Q4_K tiles), got ",
-              tiles.scalar_type(), " ", tiles.sizes());
+  check_tiles(x, tiles, TILE_BLOCK_BYTES, "Q4_K");
   const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * TILE_ROWS;
-  TORCH_CHECK(k % QK_K == 0 && tiles.size(1) == k / QK_K * TILE_BLOCK_BYTES, "x has ", k,
-              " columns but the tiles hold ", tiles.size(1) / TILE_BLOCK_BYTES * QK_K);
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   q4_k_tiles_matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), tiles.data_ptr<uint8_t>(), y.data_ptr<float>(),

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <immintrin.h>
 
@@ -145,6 +146,60 @@ at::Tensor super_block_matmul(const at::Tensor& x, const at::Tensor& blocks, int
   if (m == 0 || n == 0) return y;
   matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k);
   return y;
+}
+
+// ---- tiles: TILE_ROWS weight rows regrouped so that a vector holds a few columns of each (q4_k_tile, q6_k_tile) ----
+constexpr int64_t TILE_ROWS = 16;
+constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them
+constexpr int64_t ROW_PANEL = 128;  // rows of x per pass over all of a thread's tiles
+
+// Calls run(std::integral_constant<int64_t, R>{}, r, t, s0, s1) for every row block [r, r + R) of x, tile t and
+// chunk of super-blocks [s0, s1) (k_chunk: the row block's codes stay in L1), the threads splitting the tiles; the
+// chunks of a row block and tile come in order, s0 = 0 first.
+template <int64_t MAX_R, typename Run>
+void for_tiles(int64_t m, int64_t n, int64_t k, Run&& run) {
+  const int64_t supers = k / QK_K, chunk = k_chunk(std::min(m, MAX_R), k, 1);
+  at::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = 0; panel < m; panel += ROW_PANEL)
+      for (int64_t group = begin; group < end; group += TILE_GROUP)
+        for (int64_t s0 = 0; s0 < supers; s0 += chunk)
+          for_row_blocks<MAX_R>(std::min(ROW_PANEL, m - panel), [&](auto rows, int64_t r) {
+            for (int64_t t = group; t < std::min(end, group + TILE_GROUP); ++t)
+              run(rows, panel + r, t, s0, std::min(supers, s0 + chunk));
+          });
+  });
+}
+
+inline void check_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t tile_block_bytes, const char* type) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+              tiles.size(1) % tile_block_bytes == 0,
+              "tiles must be contiguous uint8 [N / 16, K / 256 * ", tile_block_bytes, "] (", type, " tiles), got ",
+              tiles.scalar_type(), " ", tiles.sizes());
+  TORCH_CHECK(x.size(1) % QK_K == 0 && tiles.size(1) == x.size(1) / QK_K * tile_block_bytes, "x has ", x.size(1),
+              " columns but the tiles hold ", tiles.size(1) / tile_block_bytes * QK_K);
+}
+
+// blocks [N, K / 256 * block_bytes] -> tiles [N / 16, K / 256 * tile_block_bytes]: tile_super_block(rows, out) for
+// each super-block of each tile, rows[r] the block of its row r.
+template <typename TileSuperBlock>
+at::Tensor tiled(const at::Tensor& blocks, int64_t block_bytes, int64_t tile_block_bytes, const char* type,
+                 TileSuperBlock&& tile_super_block) {
+  check_super_blocks(blocks, block_bytes, type);
+  const int64_t n = blocks.size(0), supers = blocks.size(1) / block_bytes;
+  TORCH_CHECK(n % TILE_ROWS == 0, type, " tiles take a multiple of ", TILE_ROWS, " rows, got ", n);
+  auto tiles = at::empty({n / TILE_ROWS, supers * tile_block_bytes}, blocks.options());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  uint8_t* tp = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, n / TILE_ROWS * supers, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {  // u = tile * supers + super-block: the tiles' order
+      const int64_t t = u / supers, s = u % supers;
+      const uint8_t* rows[TILE_ROWS];
+      for (int64_t r = 0; r < TILE_ROWS; ++r) rows[r] = bp + ((t * TILE_ROWS + r) * supers + s) * block_bytes;
+      tile_super_block(rows, tp + u * tile_block_bytes);
+    }
+  });
+  return tiles;
 }
 
 // ---- the dequantizers' output, float32 or bfloat16 ----
