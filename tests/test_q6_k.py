@@ -10,7 +10,7 @@ import torch
 from inferno.kernels import q6_k_gemv
 from inferno.layers import q6_k
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
-from narrow_builds import narrow_build_outputs
+from narrow_builds import narrow_build_outputs, narrow_build_run
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks
 
@@ -131,3 +131,71 @@ def test_kernel_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="x must be 2-D, float32"):
         torch.ops.inferno.q6_k_matmul(torch.randn(2, 512).double(), blocks)
     assert torch.ops.inferno.q6_k_matmul(torch.randn(0, 512), blocks).shape == (0, 4)
+
+
+def untile(tiles: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Q6_K weights [n, k] rebuilt from q6_k_tile's layout (the kernel file's description), d * sc * (q - 32), to
+    check that the tiles keep every value of the stored blocks."""
+    supers = k // 256
+    t = tiles.reshape(n // 16, supers, 3360)
+    d = t[..., 0:32].view(np.float16).astype(np.float32)  # [tiles, supers, 16]
+    sc = t[..., 32:288].view(np.int8).reshape(-1, supers, 16, 16).astype(np.float32)  # [.., group, row]
+    low = t[..., 288:2336].reshape(-1, supers, 32, 16, 4)  # [.., group of 8, row, c]
+    low = np.concatenate([low & 0x0F, low >> 4], axis=-1)  # columns 8 G + c, c < 8
+    high = t[..., 2336:].reshape(-1, supers, 16, 1, 16, 4)  # [.., group of 16, v, row, c]
+    high = (high >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1, 1)) & 3
+    low = low.transpose(0, 1, 3, 2, 4).reshape(-1, supers, 16, 256)  # [.., row, column]
+    high = high.transpose(0, 1, 4, 2, 3, 5).reshape(-1, supers, 16, 256)
+    q = (low | high << 4).astype(np.float32) - 32
+    w = d[..., :, None] * sc.transpose(0, 1, 3, 2).repeat(16, axis=-1) * q  # [tiles, supers, row, column]
+    return w.transpose(0, 2, 1, 3).reshape(n, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("extreme", [False, True], ids=["random", "extreme"])
+def test_tiles_keep_every_value_of_the_stored_blocks(extreme):
+    raw = random_q6_k(32, 1792, seed=extreme, extreme=extreme)
+    tiles = torch.ops.inferno.q6_k_tile(torch.from_numpy(raw)).numpy()
+    assert tiles.shape == (2, 7 * 3360)
+    expected = gguf.quants.dequantize(raw, T.Q6_K)  # (d * sc) * (q - 32) in float32: bit for bit
+    assert np.array_equal(untile(tiles, 32, 1792), expected, equal_nan=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 40, 130])  # 130: two panels of rows (128 each)
+@pytest.mark.parametrize("k", [256, 1792, 8960])
+def test_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
+    x, raw = kernel_inputs(m, 80, k)  # 5 tiles: a group of 4 and one more, split between threads
+    tiles = torch.ops.inferno.q6_k_tile(torch.from_numpy(raw))
+    assert_close_to(torch.ops.inferno.q6_k_tiles_matmul(x, tiles), kernel_reference(x, raw))
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
+                         ids=["avx2", "avx2-without-vnni", "plain"])
+def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, flags):
+    xs_raws = [kernel_inputs(m, 48, 1792) for m in (1, 5)]
+    raw = xs_raws[0][1]
+    xs = [x for x, _ in xs_raws]
+    code = ("xs, blocks = inputs\nops = torch.ops.inferno\n"
+            "outputs = [ops.q6_k_tiles_matmul(x, ops.q6_k_tile(blocks)) for x in xs]")
+    ys = narrow_build_run(tmp_path, ["q6_k_gemv.cpp"], flags, code, (xs, torch.from_numpy(raw)))
+    for x, y in zip(xs, ys):
+        assert_close_to(y, kernel_reference(x, raw))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, q6_k.Q6_K_DEQUANTIZE_FROM_ROWS + 1])
+def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
+    raw = random_q6_k(208, 512, seed=rows)
+    layer = Q6KLinear(Q6KBlocks(torch.from_numpy(raw)), bias=torch.randn(208))
+    x = torch.randn(2, rows, 512)
+    untiled = layer(x)
+    layer.tile()
+    assert layer.tiles is not None and layer.unread_buffers == ("weight",)
+    ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K)).t() + layer.bias
+    y = layer(x)
+    assert y.shape == (2, rows, 208)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations
+    if rows < q6_k.Q6_K_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the kernel on the stored blocks
+        torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())

@@ -141,14 +141,21 @@ def _super_block_gemv(qtype: T) -> bool:
     return True
 
 
+TILE_ROWS = 16  # weight rows per tile of q4_k_tile and q6_k_tile (quantized_rows.h)
+
+
 @functools.cache
 def q6_k_gemv():
-    """The `torch.ops.inferno` namespace holding `q6_k_matmul` and `q6_k_dequantize` (see q6_k_gemv.cpp), or None
-    when they cannot be built."""
-    return torch.ops.inferno if _super_block_gemv(T.Q6_K) else None
+    """The `torch.ops.inferno` namespace holding `q6_k_matmul`, `q6_k_dequantize`, `q6_k_tile` and
+    `q6_k_tiles_matmul` (see q6_k_gemv.cpp), or None when they cannot be built."""
+    if not _super_block_gemv(T.Q6_K):
+        return None
 
+    @torch.library.register_fake("inferno::q6_k_tiles_matmul")
+    def _(x, tiles):
+        return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
 
-Q4_K_TILE_ROWS = 16  # weight rows per tile of q4_k_tile (q4_k_gemv.cpp)
+    return torch.ops.inferno
 
 
 @functools.cache
@@ -160,7 +167,7 @@ def q4_k_gemv():
 
     @torch.library.register_fake("inferno::q4_k_tiles_matmul")
     def _(x, tiles):
-        return x.new_empty(x.shape[0], tiles.shape[0] * Q4_K_TILE_ROWS)
+        return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
 
     return torch.ops.inferno
 

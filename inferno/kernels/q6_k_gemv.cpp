@@ -290,14 +290,213 @@ at::Tensor q6_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
   });
 }
 
+// ---- tiles: the same super-blocks regrouped, losslessly, with weight rows in vector lanes (as q4_k_tile's) ----
+// Per super-block of a tile of TILE_ROWS rows, TILE_BLOCK_BYTES bytes: d[16] (float16), sc[16][16] (group g's
+// int8 scale of row r at 16 g + r), then the codes' 4 low bits as the Q4_K tiles hold theirs (32 groups of 8
+// columns, 64 bytes each: byte 4 r + c holds columns 8 G + c and 8 G + 4 + c of row r), then their 2 high bits per
+// scale group of 16 columns, 64 bytes each: byte 4 r + c, bits 2 v and 2 v + 1, of columns 16 g + 4 v + c. A
+// vector of codes (16 rows, 4 consecutive columns each) is then one nibble of a low vector with two bits of a high
+// one, and a scale group is 4 VNNI instructions. 6.5625 bits per weight, as stored.
+constexpr int64_t TILE_BLOCK_BYTES = 3360;
+constexpr int64_t TILE_SCALES = 32, TILE_LOW = 288, TILE_HIGH = 2336;  // byte offsets in a tile's super-block
+constexpr int64_t GROUPS = QK_K / 16;  // scale groups per super-block
+
+void tile_super_block(const uint8_t* const* rows, uint8_t* out) {
+  std::memset(out + TILE_HIGH, 0, TILE_BLOCK_BYTES - TILE_HIGH);
+  for (int64_t r = 0; r < TILE_ROWS; ++r) {
+    const uint8_t* blk = rows[r];
+    std::memcpy(out + 2 * r, blk + 208, 2);
+    for (int64_t g = 0; g < GROUPS; ++g) out[TILE_SCALES + TILE_ROWS * g + r] = blk[192 + g];
+    int8_t codes[QK_K];
+    block_codes(blk, codes);
+    uint8_t q[QK_K];
+    for (int64_t i = 0; i < QK_K; ++i) q[i] = static_cast<uint8_t>(codes[i] + 32);
+    for (int64_t g = 0; g < QK_K / 8; ++g)
+      for (int64_t c = 0; c < 4; ++c)
+        out[TILE_LOW + 64 * g + 4 * r + c] = static_cast<uint8_t>((q[8 * g + c] & 0x0F) | (q[8 * g + 4 + c] & 0x0F) << 4);
+    for (int64_t g = 0; g < GROUPS; ++g)
+      for (int64_t v = 0; v < 4; ++v)
+        for (int64_t c = 0; c < 4; ++c)
+          out[TILE_HIGH + 64 * g + 4 * r + c] |= static_cast<uint8_t>((q[16 * g + 4 * v + c] >> 4) << (2 * v));
+  }
+}
+
+// Per row of x and scale group of 16 columns: minus 32 times the sum of its codes (the integer sums start there,
+// which takes the codes' offset of 32 out exactly).
+std::vector<int32_t> group_starts(const QuantizedRows& q, int64_t m, int64_t k) {
+  std::vector<int32_t> starts(m * k / 16);
+  for (size_t g = 0; g < starts.size(); ++g) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < 16; ++i) sum += q.codes[16 * g + i];
+    starts[g] = -32 * sum;
+  }
+  return starts;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t TILE_ROW_BLOCK = 8;
+
+// One tile's 16 outputs for R rows of x (from row r0), super-blocks [s0, s1): per scale group and row of x, 4 VNNI
+// instructions from the group's start, then one float multiply-add with d sc_g times the block's xs. The results are
+// added to y unless `first`.
+template <int64_t R>
+void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const uint8_t* tile, float* y, int64_t n,
+               int64_t k, int64_t s0, int64_t s1, bool first) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    for (int64_t g = 0; g < GROUPS; ++g) {
+      const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 210 * g;  // a decode step streams the weights: 2 KB ahead
+      for (int64_t line = 0; line < 210; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+      const __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + TILE_SCALES + TILE_ROWS * g)))));
+      const __m512i low0 = _mm512_loadu_si512(b + TILE_LOW + 128 * g), low1 = _mm512_loadu_si512(b + TILE_LOW + 128 * g + 64);
+      const __m512i high = _mm512_loadu_si512(b + TILE_HIGH + 64 * g);
+      const __m512i w[4] = {
+          _mm512_or_si512(_mm512_and_si512(low0, low4), _mm512_and_si512(_mm512_slli_epi16(high, 4), high2)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), low4), _mm512_and_si512(_mm512_slli_epi16(high, 2), high2)),
+          _mm512_or_si512(_mm512_and_si512(low1, low4), _mm512_and_si512(high, high2)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(high, 2), high2))};
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t column = (r0 + r) * k + s * QK_K + 16 * g;
+        const int8_t* xg = q.codes.data() + column;
+        __m512i dot = _mm512_set1_epi32(starts[column / 16]);
+        for (int64_t v = 0; v < 4; ++v) {
+          int32_t xv;
+          std::memcpy(&xv, xg + 4 * v, 4);
+          dot = _mm512_dpbusd_epi32(dot, w[v], _mm512_set1_epi32(xv));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(q.scales[column / X_BLOCK])),
+                                 acc[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* out = y + (r0 + r) * n;
+    _mm512_storeu_ps(out, first ? acc[r] : _mm512_add_ps(acc[r], _mm512_loadu_ps(out)));
+  }
+}
+#elif defined(__AVX2__)
+constexpr int64_t TILE_ROW_BLOCK = 4;
+
+inline __m256i add_lane_dots(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else  // pairs of products fit 16 bits: 2 * 63 * 127 < 2^15
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1)
+template <int64_t R>
+void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const uint8_t* tile, float* y, int64_t n,
+               int64_t k, int64_t s0, int64_t s1, bool first) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    for (int64_t g = 0; g < GROUPS; ++g)
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256 ws = _mm256_mul_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + TILE_SCALES + TILE_ROWS * g + 8 * h)))));
+        auto at = [&](int64_t offset) {
+          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset + 32 * h));
+        };
+        const __m256i low0 = at(TILE_LOW + 128 * g), low1 = at(TILE_LOW + 128 * g + 64), high = at(TILE_HIGH + 64 * g);
+        const __m256i w[4] = {
+            _mm256_or_si256(_mm256_and_si256(low0, low4), _mm256_and_si256(_mm256_slli_epi16(high, 4), high2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), low4), _mm256_and_si256(_mm256_slli_epi16(high, 2), high2)),
+            _mm256_or_si256(_mm256_and_si256(low1, low4), _mm256_and_si256(high, high2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(high, 2), high2))};
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t column = (r0 + r) * k + s * QK_K + 16 * g;
+          const int8_t* xg = q.codes.data() + column;
+          __m256i dot = _mm256_set1_epi32(starts[column / 16]);
+          for (int64_t v = 0; v < 4; ++v) {
+            int32_t xv;
+            std::memcpy(&xv, xg + 4 * v, 4);
+            dot = add_lane_dots(dot, w[v], _mm256_set1_epi32(xv));
+          }
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                      _mm256_mul_ps(ws, _mm256_set1_ps(q.scales[column / X_BLOCK])), acc[r][h]);
+        }
+      }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < 2; ++h) {
+      float* out = y + (r0 + r) * n + 8 * h;
+      _mm256_storeu_ps(out, first ? acc[r][h] : _mm256_add_ps(acc[r][h], _mm256_loadu_ps(out)));
+    }
+}
+#else
+constexpr int64_t TILE_ROW_BLOCK = 1;
+
+template <int64_t R>
+void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const uint8_t* tile, float* y, int64_t n,
+               int64_t k, int64_t s0, int64_t s1, bool first) {
+  static_assert(R == 1);
+  float acc[TILE_ROWS] = {};
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    for (int64_t g = 0; g < GROUPS; ++g) {
+      const int64_t column = r0 * k + s * QK_K + 16 * g;
+      for (int64_t row = 0; row < TILE_ROWS; ++row) {
+        int32_t dot = starts[column / 16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const uint8_t low = b[TILE_LOW + 64 * (2 * g + i / 8) + 4 * row + i % 4] >> (4 * (i % 8 / 4)) & 0x0F;
+          const uint8_t high = b[TILE_HIGH + 64 * g + 4 * row + i % 4] >> (2 * (i / 4)) & 3;
+          dot += int32_t{static_cast<uint8_t>(low | high << 4)} * q.codes[column + i];
+        }
+        const float scale = half_at(b + 2 * row) * static_cast<float>(static_cast<int8_t>(b[TILE_SCALES + TILE_ROWS * g + row]));
+        acc[row] += static_cast<float>(dot) * (scale * q.scales[column / X_BLOCK]);
+      }
+    }
+  }
+  for (int64_t row = 0; row < TILE_ROWS; ++row) add_partial(y + r0 * n + row, acc[row], first);
+}
+#endif
+
+// blocks [N, K / 256 * 210] uint8, N a multiple of 16 -> tiles [N / 16, K / 256 * 3360] uint8
+at::Tensor q6_k_tile(const at::Tensor& blocks) {
+  return tiled(blocks, BLOCK_BYTES, TILE_BLOCK_BYTES, "Q6_K", tile_super_block);
+}
+
+// x [M, K] float32; tiles [N / 16, K / 256 * 3360] uint8 (q6_k_tile) -> [M, N] float32, the sums of q6_k_matmul
+at::Tensor q6_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
+  check_tiles(x, tiles, TILE_BLOCK_BYTES, "Q6_K");
+  const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * TILE_ROWS;
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), m, k);
+  const std::vector<int32_t> starts = group_starts(q, m, k);
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tile_bytes = k / QK_K * TILE_BLOCK_BYTES;
+  for_tiles<TILE_ROW_BLOCK>(m, n, k, [&](auto rows, int64_t r, int64_t t, int64_t s0, int64_t s1) {
+    tile_rows<decltype(rows)::value>(q, starts.data(), r, tp + t * tile_bytes, yp + t * TILE_ROWS, n, k, s0, s1,
+                                     s0 == 0);
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("q6_k_matmul(Tensor x, Tensor blocks) -> Tensor");
   m.def("q6_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
+  m.def("q6_k_tile(Tensor blocks) -> Tensor");
+  m.def("q6_k_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("q6_k_matmul", &q6_k_matmul);
   m.impl("q6_k_dequantize", &q6_k_dequantize);
+  m.impl("q6_k_tile", &q6_k_tile);
+  m.impl("q6_k_tiles_matmul", &q6_k_tiles_matmul);
 }

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import torch
 
-from inferno.kernels import Q4_K_TILE_ROWS, q4_k_gemv
+from inferno.kernels import TILE_ROWS, q4_k_gemv
 from inferno.layers.quantization import AVX512_KERNELS
 from inferno.layers.super_blocks import SuperBlockLinear, SuperBlocks
 
@@ -46,7 +46,7 @@ class Q4KLinear(SuperBlockLinear):
     Q4_K_DEQUANTIZE_FROM_ROWS rows (see `SuperBlockLinear`)."""
     blocks_type = Q4KBlocks
     dequantize_from_rows = Q4_K_DEQUANTIZE_FROM_ROWS
-    tile_rows = Q4_K_TILE_ROWS
+    tile_rows = TILE_ROWS
 
     @staticmethod
     def kernels():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from inferno.kernels import q6_k_gemv
+from inferno.kernels import TILE_ROWS, q6_k_gemv
 from inferno.layers.quantization import AVX512_KERNELS, Q8Groups
 from inferno.layers.super_blocks import SuperBlockLinear, SuperBlocks
 
@@ -56,6 +56,7 @@ class Q6KLinear(SuperBlockLinear):
     Q6_K_DEQUANTIZE_FROM_ROWS rows (see `SuperBlockLinear`)."""
     blocks_type = Q6KBlocks
     dequantize_from_rows = Q6_K_DEQUANTIZE_FROM_ROWS
+    tile_rows = TILE_ROWS
 
     @staticmethod
     def kernels():
@@ -63,6 +64,12 @@ class Q6KLinear(SuperBlockLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.inferno.q6_k_matmul(x, self.weight)
+
+    def make_tiles(self) -> torch.Tensor:
+        return torch.ops.inferno.q6_k_tile(self.weight)
+
+    def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+        return torch.ops.inferno.q6_k_tiles_matmul(x, tiles)
 
 
 class Q6KEmbedding(nn.Module):
