@@ -14,6 +14,12 @@ Times are medians of --repeats; the table replaces the `kernels` section of --ou
 --q6-k instead: the Q6_K matrices of Qwen2.5-Coder-1.5B Q4_K_M (the LM head, ffn_down) as Q8 groups of 16
 (`int8_q8_matmul`) against the file's super-blocks as stored (`q6_k_matmul`): ms per matrix and the weight bytes
 read per second (printed only).
+
+--tiles instead: the Q4_K and Q6_K matrices of Qwen2.5-Coder-1.5B Q4_K_M (fused gate/up, ffn_down, the LM head) as
+stored (`q4_k_matmul` / `q6_k_matmul`), as the tiles the warm-up regroups them into (`q4_k_tiles_matmul` /
+`q6_k_tiles_matmul`) and dequantized to bfloat16 for the dense GEMM (the stored blocks' path from 96 / 64 rows):
+GMAC/s per row count, cycling over copies of a matrix so that a step's weights come from memory. The table
+replaces the `tiles` section of --output.
 """
 import argparse
 import platform
@@ -26,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from inferno.kernels import paged_attention, q6_k_gemv, quantized_gemv
+from inferno.kernels import paged_attention, q4_k_gemv, q6_k_gemv, quantized_gemv
+from inferno.cpu_features import cpu_flags
 from inferno.layers.attention import Attention
 from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
@@ -34,6 +41,7 @@ from inferno.layers.q6_k import Q6KBlocks, Q6KLinear
 from inferno.layers.quantization import (COMPUTE_DTYPE, GroupQuantized, Int4Linear, Int8GroupLinear, Q8Groups, Q8Linear,
                                          quantize_int4, quantize_int8, quantize_q8_symmetric)
 from inferno.loader.gguf_blocks import T, q8_groups
+from inferno.worker.cpu_malloc import keep_freed_memory
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -236,6 +244,43 @@ def q6_k_table(rows: list[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
+def random_q4_k(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Random Q4_K rows [n, k / 256 * 144] with small d and dmin (every other byte pattern is data)."""
+    blocks = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=g)
+    blocks[..., 0:4] = torch.tensor([1e-3, 2e-3], dtype=torch.float16).view(torch.uint8)
+    return blocks.view(n, -1)
+
+
+# Qwen2.5-Coder-1.5B Q4_K_M: (type, name, N, K, copies timed in turn)
+TILED_MATRICES = [("Q4_K", "gate/up", 17920, 1536, 8), ("Q4_K", "ffn_down", 1536, 8960, 16),
+                  ("Q6_K", "ffn_down", 1536, 8960, 16), ("Q6_K", "LM head", 151936, 1536, 1)]
+
+
+def tiles_table(rows: list[int], repeats: int) -> str:
+    lines = ["| type | matrix | rows | as stored GMAC/s | tiles GMAC/s | dequantize + bf16 GEMM GMAC/s | tiles × stored |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    g = torch.Generator().manual_seed(0)
+    for qtype, name, n, k, copies in TILED_MATRICES:
+        op = qtype.lower()
+        raws = [(random_q4_k if qtype == "Q4_K" else random_q6_k)(n, k, g) for _ in range(copies)]
+        tiles = [getattr(torch.ops.inferno, f"{op}_tile")(raw) for raw in raws]
+        stored, tiled = getattr(torch.ops.inferno, f"{op}_matmul"), getattr(torch.ops.inferno, f"{op}_tiles_matmul")
+        dequantize = getattr(torch.ops.inferno, f"{op}_dequantize")
+        for m in rows:
+            if name == "LM head" and m > 32:  # it runs on the rows that sample: decode batches
+                continue
+            x, macs = torch.randn(m, k), m * n * k / 1e9
+            times = [median_time(lambda: [fn(x, w) for w in ws], repeats) / copies
+                     for fn, ws in ((stored, raws), (tiled, tiles))]
+            xb = x.bfloat16()
+            dense = median_time(lambda: F.linear(xb, dequantize(raws[0], torch.bfloat16)), repeats) if m >= 32 else None
+            lines.append(f"| {qtype} | {name} {n} × {k} | {m} | {macs / times[0]:.0f} | {macs / times[1]:.0f} | "
+                         f"{'–' if dense is None else f'{macs / dense:.0f}'} | {times[0] / times[1]:.2f}× |")
+            print(lines[-1], flush=True)
+        del raws, tiles
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -244,6 +289,7 @@ def main() -> None:
     p.add_argument("--projections", nargs="*", choices=list(MODELS), default=None,
                    help="instead: ms per decode step of these models' projections, kernel against dense")
     p.add_argument("--q6-k", action="store_true", help="instead: Q6_K as Q8 groups of 16 against as stored")
+    p.add_argument("--tiles", action="store_true", help="instead: Q4_K / Q6_K as stored, as tiles and dense")
     p.add_argument("--kinds", nargs="+", default=["int4", "q8_0", "q5_k", "q6_k", "q6_k_blocks", "int8-group"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--no-dense", action="store_true", help="skip the dequantize + GEMM column")
@@ -261,6 +307,25 @@ def main() -> None:
         torch.set_num_threads(args.threads[0])
         print(f"{args.threads[0]} thread(s), medians of {args.repeats}, random data")
         print(q6_k_table(args.rows, args.repeats))
+        return
+    if args.tiles:
+        if q4_k_gemv() is None:
+            sys.exit("the native kernels could not be built (a C++ compiler is needed)")
+        torch.set_num_threads(args.threads[-1])
+        keep_freed_memory()  # as the engine does: a large temporary is not a fresh mmap each time
+        flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni"}))
+        table = "\n".join([
+            "## Q4_K and Q6_K tiles against the blocks as stored (`benchmarks/kernels.py --tiles`)", "",
+            f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- Machine: {platform.processor() or platform.machine()} ({flags}), {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}; shared machine, compare within one run",
+            f"- Command: `{' '.join(['python kernels.py', *sys.argv[1:]])}`",
+            f"- Medians of {args.repeats} timings; Qwen2.5-Coder-1.5B Q4_K_M's shapes, random data", "",
+            tiles_table(args.rows, args.repeats)])
+        print(table)
+        if args.output:
+            write_section(Path(args.output), "tiles", table)
+            print(f"updated {args.output}")
         return
     if args.projections is not None:
         print(projections_table(args.projections or list(MODELS), args.kinds, args.rows, args.repeats,
