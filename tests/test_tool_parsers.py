@@ -13,6 +13,7 @@ HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET \\"x\\" {}"}}\n</tool_call>')
 LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
 REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```'
 THINK = "<think>The user wants weather.\nCall the tool.</think>\n\n" + HERMES
 
 
@@ -46,6 +47,8 @@ def stream(parser: ChatOutputParser, text: str, step: int):
     (ChatOutputParser(reasoning_parser("qwen3"), None), "<think>hmm</think>\n\nThe answer is 4."),
     (ChatOutputParser(None, HermesToolParser()), "No tools needed: 2 < 3 and <tool is fine."),
     (ChatOutputParser(None, HermesToolParser()), ' {"name": "get_time", "arguments": {"tz": "UTC"}}'),
+    (ChatOutputParser(None, HermesToolParser()), FENCED),
+    (ChatOutputParser(None, HermesToolParser()), "```python\nprint('not a call')\n```"),
 ])
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
 def test_streamed_deltas_add_up_to_the_whole_message(parser, text, step):
@@ -77,3 +80,12 @@ def test_parser_is_chosen_from_the_chat_template():
     assert tool_parser_for_template("{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert tool_parser_for_template("<|python_tag|>{{ m }}") == "llama3_json"
     assert tool_parser_for_template("{{ messages }}") is None
+
+
+def test_a_fenced_reply_of_call_objects_is_calls_and_other_code_is_content():
+    parser = ChatOutputParser(None, HermesToolParser())
+    reasoning, content, calls = parser.message_fields(FENCED)
+    assert not content and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    code = "```python\nprint('not a call')\n```"
+    assert parser.message_fields(code)[1:] == (code, [])

@@ -84,15 +84,20 @@ def json_calls(text: str) -> list[PartialCall]:
 
 class HermesToolParser:
     """Qwen2.5, Hermes and similar templates: calls wrapped in <tool_call> tags, text around them is content. Small
-    models often leave the tags out: a reply that is bare call objects counts as calls too."""
+    models often leave the tags out: a reply that is bare call objects counts as calls too, and so does one that is
+    call objects in a code fence (```json ... ```, as Qwen2.5-Coder writes them about as often)."""
     START, END = "<tool_call>", "</tool_call>"
+    FENCE = re.compile(r"```(?:json)?[ \t]*\n?\s*")
 
     def parse(self, text: str, final: bool) -> ParsedTools:
         body = text.lstrip()
+        fence = self.FENCE.match(body)
+        if fence and body.startswith("{", fence.end()):
+            return ParsedTools("", json_calls(body[fence.end():]))
         if body.startswith("{"):
             return ParsedTools("", json_calls(body))
-        if not body and not final:
-            return ParsedTools("")
+        if not final and (not body or "```json".startswith(body) or (fence and fence.end() == len(body))):
+            return ParsedTools("")  # may still become calls
         parsed, pos = ParsedTools(""), 0
         while True:
             start = text.find(self.START, pos)
