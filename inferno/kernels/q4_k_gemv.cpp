@@ -293,13 +293,16 @@ constexpr int64_t TILE_ROW_BLOCK = 8;  // rows of x per pass: 8 integer and 8 fl
 // instructions into an integer vector, then one float multiply-add with d sc_j times the block's xs, one with
 // dmin m_j times the block's sum. The results are added to y unless `first`.
 template <int64_t R>
-void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t k, int64_t s0,
-               int64_t s1, bool first) {
+void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+               bool first) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * QK_K;  // row r's codes at xc + r * QK_K
+    const float *xs = x.scales.data() + at * SUB_BLOCKS, *xm = x.sums.data() + at * SUB_BLOCKS;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * TILE_ROWS)));
     for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
@@ -316,7 +319,7 @@ void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y
         const __m512i codes = _mm512_loadu_si512(b + TILE_CODES + 64 * g);
         const __m512i low = _mm512_and_si512(codes, low4), high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
         for (int64_t r = 0; r < R; ++r) {
-          const int8_t* xg = q.codes.data() + (r0 + r) * k + s * QK_K + 8 * g;
+          const int8_t* xg = xc + r * QK_K + 8 * g;
           int32_t x_low, x_high;
           std::memcpy(&x_low, xg, 4);
           std::memcpy(&x_high, xg + 4, 4);
@@ -325,9 +328,9 @@ void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y
         }
       }
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t xb = ((r0 + r) * k + s * QK_K) / X_BLOCK + j;
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(ws, _mm512_set1_ps(q.scales[xb])), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(q.sums[xb]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[SUB_BLOCKS * r + j])),
+                                 acc[r]);
+        acc[r] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(xm[SUB_BLOCKS * r + j]), acc[r]);
       }
     }
   }
@@ -353,13 +356,16 @@ inline __m256 bytes_as_floats(const uint8_t* p) {
 
 // tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1)
 template <int64_t R>
-void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t k, int64_t s0,
-               int64_t s1, bool first) {
+void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+               bool first) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * QK_K;
+    const float *xs = x.scales.data() + at * SUB_BLOCKS, *xm = x.sums.data() + at * SUB_BLOCKS;
     __m256 d[2], dmin[2];
     for (int64_t h = 0; h < 2; ++h) {
       d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
@@ -376,7 +382,7 @@ void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y
           high[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
         }
         for (int64_t r = 0; r < R; ++r) {
-          const int8_t* xg = q.codes.data() + (r0 + r) * k + s * QK_K + 8 * g;
+          const int8_t* xg = xc + r * QK_K + 8 * g;
           int32_t x_low, x_high;
           std::memcpy(&x_low, xg, 4);
           std::memcpy(&x_high, xg + 4, 4);
@@ -389,10 +395,9 @@ void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y
         const __m256 ws = _mm256_mul_ps(d[h], bytes_as_floats(b + TILE_SCALES + TILE_ROWS * j + 8 * h));
         const __m256 wm = _mm256_mul_ps(dmin[h], bytes_as_floats(b + TILE_MINS + TILE_ROWS * j + 8 * h));
         for (int64_t r = 0; r < R; ++r) {
-          const int64_t xb = ((r0 + r) * k + s * QK_K) / X_BLOCK + j;
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]),
-                                      _mm256_mul_ps(ws, _mm256_set1_ps(q.scales[xb])), acc[r][h]);
-          acc[r][h] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(q.sums[xb]), acc[r][h]);
+                                      _mm256_mul_ps(ws, _mm256_set1_ps(xs[SUB_BLOCKS * r + j])), acc[r][h]);
+          acc[r][h] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(xm[SUB_BLOCKS * r + j]), acc[r][h]);
         }
       }
     }
@@ -407,25 +412,27 @@ void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y
 constexpr int64_t TILE_ROW_BLOCK = 1;
 
 template <int64_t R>
-void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t k, int64_t s0,
-               int64_t s1, bool first) {
+void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+               bool first) {
   static_assert(R == 1);
   float acc[TILE_ROWS] = {};
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * QK_K;
     for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
       int32_t dots[TILE_ROWS] = {};
       for (int64_t g = 4 * j; g < 4 * j + 4; ++g)
         for (int64_t lane = 0; lane < 64; ++lane) {
-          const int64_t column = s * QK_K + 8 * g + lane % 4, row = lane / 4;
+          const int64_t column = 8 * g + lane % 4, row = lane / 4;
           const uint8_t codes = b[TILE_CODES + 64 * g + lane];
-          dots[row] += int32_t{codes & 0x0F} * q.codes[r0 * k + column] + int32_t{codes >> 4} * q.codes[r0 * k + column + 4];
+          dots[row] += int32_t{codes & 0x0F} * xc[column] + int32_t{codes >> 4} * xc[column + 4];
         }
-      const int64_t xb = (r0 * k + s * QK_K) / X_BLOCK + j;
+      const int64_t xb = at * SUB_BLOCKS + j;
       for (int64_t row = 0; row < TILE_ROWS; ++row) {
         const float scale = half_at(b + 2 * row) * static_cast<float>(b[TILE_SCALES + TILE_ROWS * j + row]);
         const float min = half_at(b + 2 * TILE_ROWS + 2 * row) * static_cast<float>(b[TILE_MINS + TILE_ROWS * j + row]);
-        acc[row] += static_cast<float>(dots[row]) * (scale * q.scales[xb]) - min * q.sums[xb];
+        acc[row] += static_cast<float>(dots[row]) * (scale * x.scales[xb]) - min * x.sums[xb];
       }
     }
   }
@@ -434,9 +441,10 @@ void tile_rows(const QuantizedRows& q, int64_t r0, const uint8_t* tile, float* y
 #endif
 
 void q4_k_tiles_matmul_rows(const QuantizedRows& q, const uint8_t* tiles, float* y, int64_t m, int64_t n, int64_t k) {
+  const TileRows x = tile_rows_of(q, m, k, TILE_ROW_BLOCK, false);
   const int64_t tile_bytes = k / QK_K * TILE_BLOCK_BYTES;
   for_tiles<TILE_ROW_BLOCK>(m, n, k, [&](auto rows, int64_t r, int64_t t, int64_t s0, int64_t s1) {
-    tile_rows<decltype(rows)::value>(q, r, tiles + t * tile_bytes, y + t * TILE_ROWS, n, k, s0, s1, s0 == 0);
+    tile_rows<decltype(rows)::value>(x, r, tiles + t * tile_bytes, y + t * TILE_ROWS, n, s0, s1, s0 == 0);
   });
 }
 

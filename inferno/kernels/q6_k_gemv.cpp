@@ -321,18 +321,6 @@ void tile_super_block(const uint8_t* const* rows, uint8_t* out) {
   }
 }
 
-// Per row of x and scale group of 16 columns: minus 32 times the sum of its codes (the integer sums start there,
-// which takes the codes' offset of 32 out exactly).
-std::vector<int32_t> group_starts(const QuantizedRows& q, int64_t m, int64_t k) {
-  std::vector<int32_t> starts(m * k / 16);
-  for (size_t g = 0; g < starts.size(); ++g) {
-    int32_t sum = 0;
-    for (int64_t i = 0; i < 16; ++i) sum += q.codes[16 * g + i];
-    starts[g] = -32 * sum;
-  }
-  return starts;
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t TILE_ROW_BLOCK = 8;
 
@@ -340,13 +328,17 @@ constexpr int64_t TILE_ROW_BLOCK = 8;
 // instructions from the group's start, then one float multiply-add with d sc_g times the block's xs. The results are
 // added to y unless `first`.
 template <int64_t R>
-void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const uint8_t* tile, float* y, int64_t n,
-               int64_t k, int64_t s0, int64_t s1, bool first) {
+void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+               bool first) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
   __m512 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * QK_K;  // row r's codes at xc + r * QK_K
+    const float* xs = x.scales.data() + at * (QK_K / X_BLOCK);
+    const int32_t* starts = x.starts.data() + at * GROUPS;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
     for (int64_t g = 0; g < GROUPS; ++g) {
       const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 210 * g;  // a decode step streams the weights: 2 KB ahead
@@ -361,16 +353,15 @@ void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const 
           _mm512_or_si512(_mm512_and_si512(low1, low4), _mm512_and_si512(high, high2)),
           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(high, 2), high2))};
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t column = (r0 + r) * k + s * QK_K + 16 * g;
-        const int8_t* xg = q.codes.data() + column;
-        __m512i dot = _mm512_set1_epi32(starts[column / 16]);
+        const int8_t* xg = xc + r * QK_K + 16 * g;
+        __m512i dot = _mm512_set1_epi32(starts[GROUPS * r + g]);
         for (int64_t v = 0; v < 4; ++v) {
           int32_t xv;
           std::memcpy(&xv, xg + 4 * v, 4);
           dot = _mm512_dpbusd_epi32(dot, w[v], _mm512_set1_epi32(xv));
         }
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(q.scales[column / X_BLOCK])),
-                                 acc[r]);
+        const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[QK_K / X_BLOCK * r + g / 2]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
       }
     }
   }
@@ -392,13 +383,17 @@ inline __m256i add_lane_dots(__m256i acc, __m256i w, __m256i x) {
 
 // tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1)
 template <int64_t R>
-void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const uint8_t* tile, float* y, int64_t n,
-               int64_t k, int64_t s0, int64_t s1, bool first) {
+void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+               bool first) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
   __m256 acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * QK_K;
+    const float* xs = x.scales.data() + at * (QK_K / X_BLOCK);
+    const int32_t* starts = x.starts.data() + at * GROUPS;
     for (int64_t g = 0; g < GROUPS; ++g)
       for (int64_t h = 0; h < 2; ++h) {
         const __m256 ws = _mm256_mul_ps(
@@ -415,16 +410,15 @@ void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const 
             _mm256_or_si256(_mm256_and_si256(low1, low4), _mm256_and_si256(high, high2)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(high, 2), high2))};
         for (int64_t r = 0; r < R; ++r) {
-          const int64_t column = (r0 + r) * k + s * QK_K + 16 * g;
-          const int8_t* xg = q.codes.data() + column;
-          __m256i dot = _mm256_set1_epi32(starts[column / 16]);
+          const int8_t* xg = xc + r * QK_K + 16 * g;
+          __m256i dot = _mm256_set1_epi32(starts[GROUPS * r + g]);
           for (int64_t v = 0; v < 4; ++v) {
             int32_t xv;
             std::memcpy(&xv, xg + 4 * v, 4);
             dot = add_lane_dots(dot, w[v], _mm256_set1_epi32(xv));
           }
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                      _mm256_mul_ps(ws, _mm256_set1_ps(q.scales[column / X_BLOCK])), acc[r][h]);
+                                      _mm256_mul_ps(ws, _mm256_set1_ps(xs[QK_K / X_BLOCK * r + g / 2])), acc[r][h]);
         }
       }
   }
@@ -438,23 +432,24 @@ void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const 
 constexpr int64_t TILE_ROW_BLOCK = 1;
 
 template <int64_t R>
-void tile_rows(const QuantizedRows& q, const int32_t* starts, int64_t r0, const uint8_t* tile, float* y, int64_t n,
-               int64_t k, int64_t s0, int64_t s1, bool first) {
+void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+               bool first) {
   static_assert(R == 1);
   float acc[TILE_ROWS] = {};
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * TILE_BLOCK_BYTES;
+    const int64_t at = x.at(r0, s);
     for (int64_t g = 0; g < GROUPS; ++g) {
-      const int64_t column = r0 * k + s * QK_K + 16 * g;
+      const int64_t column = at * QK_K + 16 * g;
       for (int64_t row = 0; row < TILE_ROWS; ++row) {
-        int32_t dot = starts[column / 16];
+        int32_t dot = x.starts[at * GROUPS + g];
         for (int64_t i = 0; i < 16; ++i) {
           const uint8_t low = b[TILE_LOW + 64 * (2 * g + i / 8) + 4 * row + i % 4] >> (4 * (i % 8 / 4)) & 0x0F;
           const uint8_t high = b[TILE_HIGH + 64 * g + 4 * row + i % 4] >> (2 * (i / 4)) & 3;
-          dot += int32_t{static_cast<uint8_t>(low | high << 4)} * q.codes[column + i];
+          dot += int32_t{static_cast<uint8_t>(low | high << 4)} * x.codes[column + i];
         }
         const float scale = half_at(b + 2 * row) * static_cast<float>(static_cast<int8_t>(b[TILE_SCALES + TILE_ROWS * g + row]));
-        acc[row] += static_cast<float>(dot) * (scale * q.scales[column / X_BLOCK]);
+        acc[row] += static_cast<float>(dot) * (scale * x.scales[column / X_BLOCK]);
       }
     }
   }
@@ -473,14 +468,12 @@ at::Tensor q6_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
   const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * TILE_ROWS;
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), m, k);
-  const std::vector<int32_t> starts = group_starts(q, m, k);
+  const TileRows rows = tile_rows_of(quantize_rows(x.data_ptr<float>(), m, k), m, k, TILE_ROW_BLOCK, true);
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = k / QK_K * TILE_BLOCK_BYTES;
-  for_tiles<TILE_ROW_BLOCK>(m, n, k, [&](auto rows, int64_t r, int64_t t, int64_t s0, int64_t s1) {
-    tile_rows<decltype(rows)::value>(q, starts.data(), r, tp + t * tile_bytes, yp + t * TILE_ROWS, n, k, s0, s1,
-                                     s0 == 0);
+  for_tiles<TILE_ROW_BLOCK>(m, n, k, [&](auto block, int64_t r, int64_t t, int64_t s0, int64_t s1) {
+    tile_rows<decltype(block)::value>(rows, r, tp + t * tile_bytes, yp + t * TILE_ROWS, n, s0, s1, s0 == 0);
   });
   return y;
 }

@@ -168,6 +168,43 @@ constexpr int64_t TILE_ROWS = 16;
 constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them
 constexpr int64_t ROW_PANEL = 128;  // rows of x per pass over all of a thread's tiles
 
+// The rows of x as the tile kernels read them: per block of `row_block` rows (the blocks for_tiles passes start at
+// multiples of it; rows past M are zeros) and super-block, the rows' 256 codes one after another, likewise their 8
+// block scales and sums and (`with_starts`, Q6_K) minus 32 times the sum of each group of 16 codes. All that a row
+// block reads at a super-block is then at constant offsets from one pointer each.
+struct TileRows {
+  int64_t row_block, supers;
+  std::vector<int8_t> codes;        // [row blocks][supers][row_block][256]
+  std::vector<float> scales, sums;  // [row blocks][supers][row_block][8]
+  std::vector<int32_t> starts;      // [row blocks][supers][row_block][16]
+
+  // The row-block-and-super-block slot of row r0 (a multiple of row_block) at super-block s, counted in rows of
+  // one super-block: codes start at QK_K times it, scales and sums at 8 times it, starts at 16 times it.
+  int64_t at(int64_t r0, int64_t s) const { return (r0 / row_block * supers + s) * row_block; }
+};
+
+inline TileRows tile_rows_of(const QuantizedRows& q, int64_t m, int64_t k, int64_t row_block, bool with_starts) {
+  const int64_t supers = k / QK_K, padded = (m + row_block - 1) / row_block * row_block;
+  TileRows x{row_block, supers, std::vector<int8_t>(padded * k), std::vector<float>(padded * k / X_BLOCK),
+             std::vector<float>(padded * k / X_BLOCK), std::vector<int32_t>(with_starts ? padded * k / 16 : 0)};
+  constexpr int64_t BLOCKS = QK_K / X_BLOCK;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t s = 0; s < supers; ++s) {
+        const int64_t to = x.at(r - r % row_block, s) + r % row_block, from = r * supers + s;
+        std::memcpy(&x.codes[to * QK_K], &q.codes[from * QK_K], QK_K);
+        std::memcpy(&x.scales[to * BLOCKS], &q.scales[from * BLOCKS], BLOCKS * sizeof(float));
+        std::memcpy(&x.sums[to * BLOCKS], &q.sums[from * BLOCKS], BLOCKS * sizeof(float));
+        for (int64_t g = 0; with_starts && g < QK_K / 16; ++g) {
+          int32_t sum = 0;
+          for (int64_t i = 0; i < 16; ++i) sum += q.codes[from * QK_K + 16 * g + i];
+          x.starts[to * (QK_K / 16) + g] = -32 * sum;
+        }
+      }
+  });
+  return x;
+}
+
 // Calls run(std::integral_constant<int64_t, R>{}, r, t, s0, s1) for every row block [r, r + R) of x, tile t and
 // chunk of super-blocks [s0, s1) (k_chunk: the row block's codes stay in L1), the threads splitting the tiles; the
 // chunks of a row block and tile come in order, s0 = 0 first.
