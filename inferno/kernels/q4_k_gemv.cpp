@@ -2,7 +2,9 @@
 // q6_k_gemv.cpp's operators:
 // 1. `q4_k_matmul`: the few rows of a decode step, quantized to int8 per block of 32 (QuantizedRows), times the
 //    weights' super-blocks, integer dot products per sub-block of 32;
-// 2. `q4_k_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill and large batches.
+// 2. `q4_k_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill and large batches;
+// 3. `q4_k_tile` and `q4_k_tiles_matmul`: the same super-blocks regrouped into tiles of 16 weight rows (see the
+//    tiles' section below), which the model runner's warm-up makes, and the kernel that then runs every batch size.
 //
 // A row of K weights is K / 256 super-blocks of 144 bytes: d and dmin (float16), 12 bytes of 6-bit scales sc_j and
 // mins m_j of its 8 sub-blocks of 32, then qs[128] (4-bit codes): sub-block 2i is the low nibbles of qs[32i ..

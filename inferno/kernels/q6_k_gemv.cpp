@@ -3,7 +3,9 @@
 // 1. `q6_k_matmul`: the few rows of a decode step, quantized to int8 per block of 32 (QuantizedRows), times the
 //    weights' super-blocks, integer dot products as llama.cpp computes Q6_K x Q8;
 // 2. `q6_k_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill and large batches (AVX-512: the
-//    matmul's codes, a group of 16 per vector; 1536 x 8960 to bfloat16 in 0.9 ms, 16.6 with the scalar loop).
+//    matmul's codes, a group of 16 per vector; 1536 x 8960 to bfloat16 in 0.9 ms, 16.6 with the scalar loop);
+// 3. `q6_k_tile` and `q6_k_tiles_matmul`: the same super-blocks regrouped into tiles of 16 weight rows (see the
+//    tiles' section below), which the model runner's warm-up makes, and the kernel that then runs every batch size.
 //
 // A row of K weights is K / 256 super-blocks of 210 bytes: ql[128] (4 low bits), qh[64] (2 high bits), sc[16]
 // (int8, one per group of 16) and d (float16); w = d * sc_g * (q - 32), q in [0, 63]. Half h of a super-block

@@ -2,7 +2,9 @@
 decode step reads, against 10 bits per weight for the same weights as Q8 groups of 16 (int8 codes and a float32
 scale per 16). Decode-sized batches run the native `inferno::q6_k_matmul` (kernels/q6_k_gemv.cpp: activations
 quantized to int8 per block of 32, integer dot products, as llama.cpp computes); larger ones dequantize the weight
-once and run a dense GEMM in COMPUTE_DTYPE."""
+once and run a dense GEMM in COMPUTE_DTYPE. Once the warm-up has regrouped the weight into tiles
+(`inferno::q6_k_tile`, every value kept, 6.5625 bits per weight), `inferno::q6_k_tiles_matmul` runs every batch size
+(3-5x faster than the stored blocks' kernel from 4 rows on, see layers/q4_k.py)."""
 from dataclasses import dataclass
 
 import torch
