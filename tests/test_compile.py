@@ -10,9 +10,11 @@ from torch._dynamo.utils import counters
 
 from conftest import assert_all_blocks_free, is_near_tie, top2_gap
 from inferno import LLM, SamplingParams
-from inferno.kernels import paged_attention
+from inferno.kernels import paged_attention, q4_k_gemv
+from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker.model_runner import ModelRunner
+from tiny_gguf import T, write_tiny_gguf
 from tiny_models import write_hf_model
 
 pytestmark = pytest.mark.skipif(paged_attention() is None, reason="the compiled decode step needs the native kernel")
@@ -60,6 +62,23 @@ def test_compiled_decode_matches_eager(model, engine_args, tol):
         for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):
             assert_same_tokens(ref, out, tol)
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for other batch sizes or table widths
+
+
+@pytest.mark.skipif(q4_k_gemv() is None, reason="the Q4_K kernels could not be built")
+def test_compiled_decode_runs_the_tiles_the_warm_up_made(tmp_path):
+    """A GGUF of Q4_K weights: the warm-up regroups them into tiles before it compiles, so the compiled decode step
+    calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and batched."""
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", T.Q4_K))
+    eager = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=True)
+    compiled = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=False)
+    assert not eager.llm_engine.model_runner.wait_for_warm_up()
+    assert compiled.llm_engine.model_runner.wait_for_warm_up()
+    for llm in (eager, compiled):
+        layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, SuperBlockLinear)]
+        assert layers and all(m.tiles is not None for m in layers)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):
+            assert_same_tokens(ref, out, 0.15)  # bfloat16 activations (dtype auto)
 
 
 def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monkeypatch):
