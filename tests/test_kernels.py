@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inferno.cpu_features import cpu_key, has_native_bfloat16
+from inferno.cpu_features import cpu_flags, cpu_key, has_native_bfloat16, isa_cflags
 from inferno.kernels import extension_name, quantized_gemv
 from inferno.layers import quantization
 from inferno.layers.quantization import Int4Linear, Q8Groups, Q8Linear, quantize_int4, quantize_q8_symmetric
@@ -178,6 +178,21 @@ def test_builds_are_keyed_by_the_cpu():
     # what the build compiles is in the name too: another flag, another source
     assert extension_name("inferno_quantized_gemv", ("quantized_gemv.cpp",), ["-O2"]) != name
     assert extension_name("inferno_quantized_gemv", ("q4_k_gemv.cpp",), ["-O3"]) != name
+
+
+def test_an_isa_cap_leaves_the_wider_flags_out_and_builds_without_them(monkeypatch):
+    monkeypatch.setattr("inferno.cpu_features.cpu_info",
+                        lambda: {"flags": "avx avx2 fma avx_vnni avx512f avx512bw avx512_vnni avx512_bf16 amx_tile"})
+    monkeypatch.setenv("INFERNO_CPU_ISA", "avx2")
+    assert cpu_flags() == {"avx", "avx2", "fma"} and "-mno-avx512f" in isa_cflags()
+    assert not has_native_bfloat16()
+    monkeypatch.setenv("INFERNO_CPU_ISA", "avx2_vnni")
+    assert cpu_flags() == {"avx", "avx2", "fma", "avx_vnni"} and "-mno-avxvnni" not in isa_cflags()
+    monkeypatch.setenv("INFERNO_CPU_ISA", "avx3")
+    with pytest.raises(ValueError, match="INFERNO_CPU_ISA must be one of"):
+        cpu_flags()
+    monkeypatch.delenv("INFERNO_CPU_ISA")
+    assert "avx512f" in cpu_flags() and isa_cflags() == []
 
 
 @pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")

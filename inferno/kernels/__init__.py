@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import torch
 
-from inferno.cpu_features import cpu_key
+from inferno.cpu_features import cpu_key, isa_cflags
 
 T = gguf.GGMLQuantizationType
 
@@ -42,7 +42,7 @@ def _build(name: str, sources: tuple[str, ...], fallback: str, extra_cflags: tup
     False, with a warning, when that fails."""
     if os.environ.get("INFERNO_DISABLE_CPP_KERNELS") == "1":
         return False
-    cflags = ["-O3", "-march=native", *extra_cflags, "-fopenmp"]
+    cflags = ["-O3", "-march=native", *isa_cflags(), *extra_cflags, "-fopenmp"]
     full_name = extension_name(name, sources, cflags)
     folder = kernel_cache_dir() / full_name
     library = folder / f"{full_name}.so"
