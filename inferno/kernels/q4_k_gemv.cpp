@@ -374,6 +374,8 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
       dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * TILE_ROWS + 16 * h)));
     }
     for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
+      const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 320 * j;  // a decode step streams the weights: 2 KB ahead
+      for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
       __m256i dots[R][2];
       for (int64_t r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
       for (int64_t g = 4 * j; g < 4 * j + 4; ++g) {
