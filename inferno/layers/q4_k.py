@@ -3,9 +3,9 @@ decode step reads, with no repacking at load (the int4 layout took 5 bits per we
 dmin * m to float16). Until the warm-up regroups them into tiles, decode-sized batches run the native
 `inferno::q4_k_matmul` (kernels/q4_k_gemv.cpp) and larger ones dequantize the weight once and run a dense GEMM
 (`SuperBlockLinear`). The tiles (`inferno::q4_k_tile`: 16 weight rows in the lanes of a vector, every value kept,
-4.625 bits per weight) run every batch size through `inferno::q4_k_tiles_matmul`, 2-3x faster than either from 4
-rows on (AVX-512, 2 threads, Qwen2.5-1.5B's gate/up: 560 against 190-220 GMAC/s at 32 and 128 rows, and against
-340 for the dense bfloat16 GEMM at 128; benchmarks/kernels.py) and about 1.4x faster at one row.
+4.625 bits per weight) run every batch size through `inferno::q4_k_tiles_matmul`: on Qwen2.5-1.5B's gate/up
+(AVX-512, 2 threads, `python benchmarks/kernels.py --tiles`) 629 / 646 GMAC/s at 32 / 128 rows against the stored
+blocks' 185 / 175 and the dense bfloat16 GEMM's 157 / 330, 1.0-1.7x the stored blocks' at one row (memory-bound).
 """
 from dataclasses import dataclass
 
