@@ -42,3 +42,12 @@ def narrow_build_outputs(tmp_path: Path, op: str, flags: str, xs: list[torch.Ten
     code = (f"xs, blocks = inputs\nops = torch.ops.inferno\n"
             f"outputs = ([ops.{op}_matmul(x, blocks) for x in xs], ops.{op}_dequantize(blocks, torch.float32))")
     return narrow_build_run(tmp_path, [f"{op}_gemv.cpp"], flags, code, (xs, blocks))
+
+
+def narrow_build_tiles_outputs(tmp_path: Path, op: str, flags: str, xs: list[torch.Tensor],
+                               blocks: torch.Tensor) -> list[torch.Tensor]:
+    """A K-quant kernel's tiles (`{op}_gemv.cpp`): `{op}_tiles_matmul(x, {op}_tile(blocks))` for each x from the
+    build with `flags`."""
+    code = (f"xs, blocks = inputs\nops = torch.ops.inferno\n"
+            f"outputs = [ops.{op}_tiles_matmul(x, ops.{op}_tile(blocks)) for x in xs]")
+    return narrow_build_run(tmp_path, [f"{op}_gemv.cpp"], flags, code, (xs, blocks))

@@ -19,7 +19,7 @@ from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
 from inferno.worker.huge_pages import tensor_span, weight_ranges
 from inferno.worker.model_runner import ModelRunner
-from narrow_builds import narrow_build_outputs, narrow_build_run
+from narrow_builds import narrow_build_outputs, narrow_build_tiles_outputs
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks, write_tiny_gguf
 
@@ -201,9 +201,7 @@ def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, fla
     xs_raws = [kernel_inputs(m, 48, 1792) for m in (1, 5)]
     raw = xs_raws[0][1]
     xs = [x for x, _ in xs_raws]
-    code = ("xs, blocks = inputs\nops = torch.ops.inferno\n"
-            "outputs = [ops.q4_k_tiles_matmul(x, ops.q4_k_tile(blocks)) for x in xs]")
-    ys = narrow_build_run(tmp_path, ["q4_k_gemv.cpp"], flags, code, (xs, torch.from_numpy(raw)))
+    ys = narrow_build_tiles_outputs(tmp_path, "q4_k", flags, xs, torch.from_numpy(raw))
     for x, y in zip(xs, ys):
         assert_close_to(y, kernel_reference(x, raw))
 

@@ -10,7 +10,7 @@ import torch
 from inferno.kernels import q6_k_gemv
 from inferno.layers import q6_k
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
-from narrow_builds import narrow_build_outputs, narrow_build_run
+from narrow_builds import narrow_build_outputs, narrow_build_tiles_outputs
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks
 
@@ -177,9 +177,7 @@ def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, fla
     xs_raws = [kernel_inputs(m, 48, 1792) for m in (1, 5)]
     raw = xs_raws[0][1]
     xs = [x for x, _ in xs_raws]
-    code = ("xs, blocks = inputs\nops = torch.ops.inferno\n"
-            "outputs = [ops.q6_k_tiles_matmul(x, ops.q6_k_tile(blocks)) for x in xs]")
-    ys = narrow_build_run(tmp_path, ["q6_k_gemv.cpp"], flags, code, (xs, torch.from_numpy(raw)))
+    ys = narrow_build_tiles_outputs(tmp_path, "q6_k", flags, xs, torch.from_numpy(raw))
     for x, y in zip(xs, ys):
         assert_close_to(y, kernel_reference(x, raw))
 

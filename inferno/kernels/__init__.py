@@ -122,9 +122,13 @@ def quantized_gemv():
     return torch.ops.inferno
 
 
+TILE_ROWS = 16  # weight rows per tile of q4_k_tile and q6_k_tile (quantized_rows.h)
+
+
 def _super_block_gemv(qtype: T) -> bool:
-    """Builds `{type}_matmul` (rows quantized to int8 times GGUF K-quant super-blocks as stored) and
-    `{type}_dequantize` (to float32 / bfloat16) from `{type}_gemv.cpp`, with their shapes for torch.compile."""
+    """Builds `{type}_matmul` (rows quantized to int8 times GGUF K-quant super-blocks as stored),
+    `{type}_dequantize` (to float32 / bfloat16), `{type}_tile` and `{type}_tiles_matmul` from `{type}_gemv.cpp`,
+    with their shapes for torch.compile."""
     op = qtype.name.lower()
     if not _build(f"inferno_{op}_gemv", (f"{op}_gemv.cpp",), "using dequantize + F.linear"):
         return False
@@ -138,38 +142,25 @@ def _super_block_gemv(qtype: T) -> bool:
     def _(blocks, dtype):
         return blocks.new_empty(blocks.shape[0], blocks.shape[1] // block_bytes * values, dtype=dtype)
 
+    @torch.library.register_fake(f"inferno::{op}_tiles_matmul")
+    def _(x, tiles):
+        return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
+
     return True
-
-
-TILE_ROWS = 16  # weight rows per tile of q4_k_tile and q6_k_tile (quantized_rows.h)
 
 
 @functools.cache
 def q6_k_gemv():
     """The `torch.ops.inferno` namespace holding `q6_k_matmul`, `q6_k_dequantize`, `q6_k_tile` and
     `q6_k_tiles_matmul` (see q6_k_gemv.cpp), or None when they cannot be built."""
-    if not _super_block_gemv(T.Q6_K):
-        return None
-
-    @torch.library.register_fake("inferno::q6_k_tiles_matmul")
-    def _(x, tiles):
-        return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
-
-    return torch.ops.inferno
+    return torch.ops.inferno if _super_block_gemv(T.Q6_K) else None
 
 
 @functools.cache
 def q4_k_gemv():
     """The `torch.ops.inferno` namespace holding `q4_k_matmul`, `q4_k_dequantize`, `q4_k_tile` and
     `q4_k_tiles_matmul` (see q4_k_gemv.cpp), or None when they cannot be built."""
-    if not _super_block_gemv(T.Q4_K):
-        return None
-
-    @torch.library.register_fake("inferno::q4_k_tiles_matmul")
-    def _(x, tiles):
-        return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
-
-    return torch.ops.inferno
+    return torch.ops.inferno if _super_block_gemv(T.Q4_K) else None
 
 
 # the types whose blocks carry a min: gguf_to_q8 returns their mins (an empty tensor for the others)

@@ -367,10 +367,7 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    float* out = y + (r0 + r) * n;
-    _mm512_storeu_ps(out, first ? acc[r] : _mm512_add_ps(acc[r], _mm512_loadu_ps(out)));
-  }
+  for (int64_t r = 0; r < R; ++r) add_partial(y + (r0 + r) * n, acc[r], first);
 }
 #elif defined(__AVX2__)
 constexpr int64_t TILE_ROW_BLOCK = 4;
@@ -428,10 +425,7 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < 2; ++h) {
-      float* out = y + (r0 + r) * n + 8 * h;
-      _mm256_storeu_ps(out, first ? acc[r][h] : _mm256_add_ps(acc[r][h], _mm256_loadu_ps(out)));
-    }
+    for (int64_t h = 0; h < 2; ++h) add_partial(y + (r0 + r) * n + 8 * h, acc[r][h], first);
 }
 #else
 constexpr int64_t TILE_ROW_BLOCK = 1;
@@ -469,18 +463,11 @@ at::Tensor q6_k_tile(const at::Tensor& blocks) {
 
 // x [M, K] float32; tiles [N / 16, K / 256 * 3360] uint8 (q6_k_tile) -> [M, N] float32, the sums of q6_k_matmul
 at::Tensor q6_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
-  check_tiles(x, tiles, TILE_BLOCK_BYTES, "Q6_K");
-  const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * TILE_ROWS;
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const TileRows rows = tile_rows_of(quantize_rows(x.data_ptr<float>(), m, k), m, k, TILE_ROW_BLOCK, true);
-  const uint8_t* tp = tiles.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t tile_bytes = k / QK_K * TILE_BLOCK_BYTES;
-  for_tiles<TILE_ROW_BLOCK>(m, n, k, [&](auto block, int64_t r, int64_t t, int64_t s0, int64_t s1) {
-    tile_rows<decltype(block)::value>(rows, r, tp + t * tile_bytes, yp + t * TILE_ROWS, n, s0, s1, s0 == 0);
+  return tiles_matmul<TILE_ROW_BLOCK>(x, tiles, TILE_BLOCK_BYTES, "Q6_K", true,
+                                      [](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y,
+                                         int64_t n, int64_t s0, int64_t s1, bool first) {
+    tile_rows<decltype(rows)::value>(rx, r, tile, y, n, s0, s1, first);
   });
-  return y;
 }
 
 }  // namespace

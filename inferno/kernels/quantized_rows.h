@@ -139,6 +139,16 @@ inline int64_t k_chunk(int64_t rows, int64_t k, int64_t bytes_per_column) {
 }
 
 inline void add_partial(float* y, float partial, bool first) { *y = first ? partial : *y + partial; }
+#if defined(__AVX2__)
+inline void add_partial(float* y, __m256 partial, bool first) {  // 8 outputs
+  _mm256_storeu_ps(y, first ? partial : _mm256_add_ps(partial, _mm256_loadu_ps(y)));
+}
+#endif
+#if defined(__AVX512F__)
+inline void add_partial(float* y, __m512 partial, bool first) {  // 16 outputs
+  _mm512_storeu_ps(y, first ? partial : _mm512_add_ps(partial, _mm512_loadu_ps(y)));
+}
+#endif
 
 inline void check_super_blocks(const at::Tensor& blocks, int64_t block_bytes, const char* type) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
@@ -168,7 +178,7 @@ constexpr int64_t TILE_ROWS = 16;
 constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them
 constexpr int64_t ROW_PANEL = 128;  // rows of x per pass over all of a thread's tiles
 
-// The rows of x as the tile kernels read them: per block of `row_block` rows (the blocks for_tiles passes start at
+// The rows of x as the tile kernels read them: per block of `row_block` rows (the blocks tiles_matmul passes start at
 // multiples of it; rows past M are zeros) and super-block, the rows' 256 codes one after another, likewise their 8
 // block scales and sums and (`with_starts`, Q6_K) minus 32 times the sum of each group of 16 codes. All that a row
 // block reads at a super-block is then at constant offsets from one pointer each.
@@ -205,24 +215,14 @@ inline TileRows tile_rows_of(const QuantizedRows& q, int64_t m, int64_t k, int64
   return x;
 }
 
-// Calls run(std::integral_constant<int64_t, R>{}, r, t, s0, s1) for every row block [r, r + R) of x, tile t and
-// chunk of super-blocks [s0, s1) (k_chunk: the row block's codes stay in L1), the threads splitting the tiles; the
-// chunks of a row block and tile come in order, s0 = 0 first.
-template <int64_t MAX_R, typename Run>
-void for_tiles(int64_t m, int64_t n, int64_t k, Run&& run) {
-  const int64_t supers = k / QK_K, chunk = k_chunk(std::min(m, MAX_R), k, 1);
-  at::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = 0; panel < m; panel += ROW_PANEL)
-      for (int64_t group = begin; group < end; group += TILE_GROUP)
-        for (int64_t s0 = 0; s0 < supers; s0 += chunk)
-          for_row_blocks<MAX_R>(std::min(ROW_PANEL, m - panel), [&](auto rows, int64_t r) {
-            for (int64_t t = group; t < std::min(end, group + TILE_GROUP); ++t)
-              run(rows, panel + r, t, s0, std::min(supers, s0 + chunk));
-          });
-  });
-}
-
-inline void check_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t tile_block_bytes, const char* type) {
+// x [M, K] float32 times tiles [N / 16, K / 256 * tile_block_bytes] -> [M, N] float32: x quantized and laid out
+// as TileRows (with Q6_K's `with_starts`), then tile_rows(std::integral_constant<int64_t, R>{}, x, r, tile, y, n, s0,
+// s1, first) for every row block [r, r + R) of x, tile and chunk of super-blocks [s0, s1) (k_chunk: the row block's
+// codes stay in L1), the threads splitting the tiles; `y` is the tile's first output of row 0, and the chunks of a
+// row block and tile come in order, `first` (s0 = 0) before the others, whose sums are added to it.
+template <int64_t MAX_R, typename TileRowsKernel>
+at::Tensor tiles_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t tile_block_bytes, const char* type,
+                        bool with_starts, TileRowsKernel&& tile_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
               tiles.size(1) % tile_block_bytes == 0,
@@ -230,6 +230,24 @@ inline void check_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t ti
               tiles.scalar_type(), " ", tiles.sizes());
   TORCH_CHECK(x.size(1) % QK_K == 0 && tiles.size(1) == x.size(1) / QK_K * tile_block_bytes, "x has ", x.size(1),
               " columns but the tiles hold ", tiles.size(1) / tile_block_bytes * QK_K);
+  const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * TILE_ROWS;
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const TileRows rows = tile_rows_of(quantize_rows(x.data_ptr<float>(), m, k), m, k, MAX_R, with_starts);
+  const uint8_t* tp = tiles.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t supers = k / QK_K, tile_bytes = supers * tile_block_bytes, chunk = k_chunk(std::min(m, MAX_R), k, 1);
+  at::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = 0; panel < m; panel += ROW_PANEL)
+      for (int64_t group = begin; group < end; group += TILE_GROUP)
+        for (int64_t s0 = 0; s0 < supers; s0 += chunk)
+          for_row_blocks<MAX_R>(std::min(ROW_PANEL, m - panel), [&](auto block, int64_t r) {
+            for (int64_t t = group; t < std::min(end, group + TILE_GROUP); ++t)
+              tile_rows(block, rows, panel + r, tp + t * tile_bytes, yp + t * TILE_ROWS, n, s0,
+                        std::min(supers, s0 + chunk), s0 == 0);
+          });
+  });
+  return y;
 }
 
 // blocks [N, K / 256 * block_bytes] -> tiles [N / 16, K / 256 * tile_block_bytes]: tile_super_block(rows, out) for
