@@ -69,9 +69,11 @@ def kernel_inputs(m: int, n: int, k: int) -> tuple[torch.Tensor, np.ndarray]:
     raw = random_q4_k(n, k, seed=m * k + n, extreme=True)
     blocks = raw.reshape(n, -1, 144)
     blocks[..., 0:4] = np.array([2e-3, 1e-3], dtype=np.float16).view(np.uint8)  # extreme codes and scales, ordinary d
+    blocks[0, 0, 16:] = 0xFF  # weight row 0 starts with a whole super-block of codes 15: the largest sums
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[0, 32:64] = 0  # an all-zero block has scale 0
     x[-1, :64] = 3.0  # activation codes 127 against codes 0 / 15 and scales / mins 63
+    x[-1, 64:96] = -3.0  # and -127
     return x, raw
 
 
@@ -110,11 +112,11 @@ def test_linear_matches_its_dequantized_weight(rows, native):
     elif not layer.native:
         pytest.skip("no C++ compiler for the native kernels")
     assert (layer.in_features, layer.out_features) == (512, 200)
-    x = torch.randn(2, rows, 512)
+    x = torch.randn(2, rows, 512, generator=torch.Generator().manual_seed(rows))
     ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)).t() + layer.bias
     y = layer(x)
     assert y.shape == (2, rows, 200) and y.dtype == torch.float32
-    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations (or COMPUTE_DTYPE)
+    assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations (or COMPUTE_DTYPE)
 
 
 def test_rows_permute_and_stack_like_the_weights():
@@ -211,7 +213,7 @@ def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, fla
 def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
     raw = random_q4_k(208, 512, seed=rows)
     layer = Q4KLinear(Q4KBlocks(torch.from_numpy(raw)), bias=torch.randn(208))
-    x = torch.randn(2, rows, 512)
+    x = torch.randn(2, rows, 512, generator=torch.Generator().manual_seed(rows))
     untiled = layer(x)
     assert layer.can_tile and layer.unread_buffers == ()
     layer.tile()
@@ -219,7 +221,7 @@ def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
     ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)).t() + layer.bias
     y = layer(x)
     assert y.shape == (2, rows, 208)
-    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations
+    assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations: 0.5 % typical, 1.5 % the worst of 1000 draws
     if rows < q4_k.Q4_K_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the kernel on the stored blocks
         torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
     torch.testing.assert_close(layer.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)))

@@ -57,9 +57,11 @@ def kernel_inputs(m: int, n: int, k: int) -> tuple[torch.Tensor, np.ndarray]:
     raw = random_q6_k(n, k, seed=m * k + n, extreme=True)
     blocks = raw.reshape(n, -1, 210)
     blocks[..., 208:210] = np.float16(2e-4).reshape(1).view(np.uint8)  # extreme codes and scales, ordinary d
+    blocks[0, 0, :192] = 0xFF  # weight row 0 starts with a whole super-block of codes 63: the largest sums
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[0, 32:64] = 0  # an all-zero block has scale 0
     x[-1, :64] = 3.0  # activation codes 127 against codes 0 / 63 and scales -128 / 127
+    x[-1, 64:96] = -3.0  # and -127
     return x, raw
 
 
@@ -96,11 +98,11 @@ def test_linear_matches_its_dequantized_weight(rows, native):
     elif not layer.native:
         pytest.skip("no C++ compiler for the native kernels")
     assert (layer.in_features, layer.out_features) == (512, 200)
-    x = torch.randn(2, rows, 512)
+    x = torch.randn(2, rows, 512, generator=torch.Generator().manual_seed(rows))
     ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K)).t() + layer.bias
     y = layer(x)
     assert y.shape == (2, rows, 200) and y.dtype == torch.float32
-    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations (or COMPUTE_DTYPE)
+    assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations (or COMPUTE_DTYPE)
 
 
 def test_embedding_dequantizes_the_rows_it_reads_and_shares_them_with_a_tied_head():
@@ -187,13 +189,13 @@ def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, fla
 def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
     raw = random_q6_k(208, 512, seed=rows)
     layer = Q6KLinear(Q6KBlocks(torch.from_numpy(raw)), bias=torch.randn(208))
-    x = torch.randn(2, rows, 512)
+    x = torch.randn(2, rows, 512, generator=torch.Generator().manual_seed(rows))
     untiled = layer(x)
     layer.tile()
     assert layer.tiles is not None and layer.unread_buffers == ("weight",)
     ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K)).t() + layer.bias
     y = layer(x)
     assert y.shape == (2, rows, 208)
-    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations
+    assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations: 0.5 % typical, 1.5 % the worst of 1000 draws
     if rows < q6_k.Q6_K_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the kernel on the stored blocks
         torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())

@@ -341,13 +341,26 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
 #elif defined(__AVX2__)
 constexpr int64_t TILE_ROW_BLOCK = 4;
 
-inline __m256i add_lane_dots(__m256i acc, __m256i w, __m256i x) {
+// A sub-block's products per 32-bit lane (4 codes of a weight row times 4 of x), summed over its 8 code vectors.
+// With AVX-VNNI one instruction per vector. Without, maddubs adds pairs of products into 16 bits; the 8 vectors' pairs
+// are summed there too (8 * 2 * 15 * 127 < 2^15) and widened once per sub-block: 1.1 multiplies per vector, not 2.
+struct SubBlockDots {
+  __m256i sums = _mm256_setzero_si256();
+  void add(__m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, w, x);
+    sums = _mm256_dpbusd_avx_epi32(sums, w, x);
 #else
-  return _mm256_add_epi32(acc, lane_dots(w, x));
+    sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(w, x));
 #endif
-}
+  }
+  __m256i total() const {
+#if defined(__AVXVNNI__)
+    return sums;
+#else
+    return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+#endif
+  }
+};
 
 inline __m256 bytes_as_floats(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -365,38 +378,29 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * QK_K;
     const float *xs = x.scales.data() + at * SUB_BLOCKS, *xm = x.sums.data() + at * SUB_BLOCKS;
-    __m256 d[2], dmin[2];
-    for (int64_t h = 0; h < 2; ++h) {
-      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
-      dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * TILE_ROWS + 16 * h)));
-    }
     for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
       const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 320 * j;  // a decode step streams the weights: 2 KB ahead
       for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
-      __m256i dots[R][2];
-      for (int64_t r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
-      for (int64_t g = 4 * j; g < 4 * j + 4; ++g) {
-        __m256i low[2], high[2];
-        for (int64_t h = 0; h < 2; ++h) {
-          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + TILE_CODES + 64 * g + 32 * h));
-          low[h] = _mm256_and_si256(codes, low4);
-          high[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const int8_t* xg = xc + r * QK_K + 8 * g;
-          int32_t x_low, x_high;
-          std::memcpy(&x_low, xg, 4);
-          std::memcpy(&x_high, xg + 4, 4);
-          const __m256i xl = _mm256_set1_epi32(x_low), xh = _mm256_set1_epi32(x_high);
-          for (int64_t h = 0; h < 2; ++h)
-            dots[r][h] = add_lane_dots(add_lane_dots(dots[r][h], low[h], xl), high[h], xh);
-        }
-      }
       for (int64_t h = 0; h < 2; ++h) {
-        const __m256 ws = _mm256_mul_ps(d[h], bytes_as_floats(b + TILE_SCALES + TILE_ROWS * j + 8 * h));
-        const __m256 wm = _mm256_mul_ps(dmin[h], bytes_as_floats(b + TILE_MINS + TILE_ROWS * j + 8 * h));
+        SubBlockDots dots[R];
+        for (int64_t g = 4 * j; g < 4 * j + 4; ++g) {
+          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + TILE_CODES + 64 * g + 32 * h));
+          const __m256i low = _mm256_and_si256(codes, low4), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+          for (int64_t r = 0; r < R; ++r) {
+            const int8_t* xg = xc + r * QK_K + 8 * g;
+            int32_t x_low, x_high;
+            std::memcpy(&x_low, xg, 4);
+            std::memcpy(&x_high, xg + 4, 4);
+            dots[r].add(low, _mm256_set1_epi32(x_low));
+            dots[r].add(high, _mm256_set1_epi32(x_high));
+          }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * TILE_ROWS + 16 * h)));
+        const __m256 ws = _mm256_mul_ps(d, bytes_as_floats(b + TILE_SCALES + TILE_ROWS * j + 8 * h));
+        const __m256 wm = _mm256_mul_ps(dmin, bytes_as_floats(b + TILE_MINS + TILE_ROWS * j + 8 * h));
         for (int64_t r = 0; r < R; ++r) {
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]),
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r].total()),
                                       _mm256_mul_ps(ws, _mm256_set1_ps(xs[SUB_BLOCKS * r + j])), acc[r][h]);
           acc[r][h] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(xm[SUB_BLOCKS * r + j]), acc[r][h]);
         }

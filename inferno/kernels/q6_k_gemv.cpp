@@ -372,15 +372,10 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
 #elif defined(__AVX2__)
 constexpr int64_t TILE_ROW_BLOCK = 4;
 
-inline __m256i add_lane_dots(__m256i acc, __m256i w, __m256i x) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, w, x);
-#else  // pairs of products fit 16 bits: 2 * 63 * 127 < 2^15
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-#endif
-}
-
-// tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1)
+// tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1), one half after the other
+// (4 rows of x then keep their sums in registers). Without AVX-VNNI, a scale group's 4 vectors of products are
+// summed in 16 bits: maddubs of |q - 32| with x signed as q - 32 gives pairs of at most 2 * 32 * 127, and 4 of them
+// fit (32512 < 2^15), so one widening per group instead of one per vector, and no starts.
 template <int64_t R>
 void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
                bool first) {
@@ -401,10 +396,10 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
       for (int64_t h = 0; h < 2; ++h) {
         const __m256 ws = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + TILE_SCALES + TILE_ROWS * g + 8 * h)))));
-        auto at = [&](int64_t offset) {
+        auto load = [&](int64_t offset) {
           return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset + 32 * h));
         };
-        const __m256i low0 = at(TILE_LOW + 128 * g), low1 = at(TILE_LOW + 128 * g + 64), high = at(TILE_HIGH + 64 * g);
+        const __m256i low0 = load(TILE_LOW + 128 * g), low1 = load(TILE_LOW + 128 * g + 64), high = load(TILE_HIGH + 64 * g);
         const __m256i w[4] = {
             _mm256_or_si256(_mm256_and_si256(low0, low4), _mm256_and_si256(_mm256_slli_epi16(high, 4), high2)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), low4), _mm256_and_si256(_mm256_slli_epi16(high, 2), high2)),
@@ -412,12 +407,18 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(high, 2), high2))};
         for (int64_t r = 0; r < R; ++r) {
           const int8_t* xg = xc + r * QK_K + 16 * g;
+          int32_t xv[4];
+          std::memcpy(xv, xg, 16);
           __m256i dot = _mm256_set1_epi32(starts[GROUPS * r + g]);
-          for (int64_t v = 0; v < 4; ++v) {
-            int32_t xv;
-            std::memcpy(&xv, xg + 4 * v, 4);
-            dot = add_lane_dots(dot, w[v], _mm256_set1_epi32(xv));
+#if defined(__AVXVNNI__)
+          for (int64_t v = 0; v < 4; ++v) dot = _mm256_dpbusd_avx_epi32(dot, w[v], _mm256_set1_epi32(xv[v]));
+#else  // maddubs' pairs of products of two vectors summed in 16 bits (2 * 2 * 63 * 127 < 2^15), widened once
+          for (int64_t v = 0; v < 4; v += 2) {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w[v], _mm256_set1_epi32(xv[v])),
+                                                   _mm256_maddubs_epi16(w[v + 1], _mm256_set1_epi32(xv[v + 1])));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
           }
+#endif
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                       _mm256_mul_ps(ws, _mm256_set1_ps(xs[QK_K / X_BLOCK * r + g / 2])), acc[r][h]);
         }
