@@ -51,3 +51,12 @@ def narrow_build_tiles_outputs(tmp_path: Path, op: str, flags: str, xs: list[tor
     code = (f"xs, blocks = inputs\nops = torch.ops.inferno\n"
             f"outputs = [ops.{op}_tiles_matmul(x, ops.{op}_tile(blocks)) for x in xs]")
     return narrow_build_run(tmp_path, [f"{op}_gemv.cpp"], flags, code, (xs, blocks))
+
+
+def narrow_build_int4_tiles_outputs(tmp_path: Path, flags: str, xs: list[torch.Tensor], packed: torch.Tensor, k: int,
+                                    group_size: int, zero_points: bool) -> list[torch.Tensor]:
+    """The int4 tiles (quantized_gemv.cpp): `int4_tiles_matmul(x, int4_tile(packed, ...))` for each x from the build
+    with `flags`."""
+    code = (f"xs, packed = inputs\nops = torch.ops.inferno\ntiles = ops.int4_tile(packed, {k}, {group_size})\n"
+            f"outputs = [ops.int4_tiles_matmul(x, tiles, {zero_points}) for x in xs]")
+    return narrow_build_run(tmp_path, ["quantized_gemv.cpp"], flags, code, (xs, packed))

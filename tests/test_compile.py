@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from conftest import assert_all_blocks_free, is_near_tie, top2_gap
 from inferno import LLM, SamplingParams
 from inferno.kernels import paged_attention, q4_k_gemv
+from inferno.layers.quantization import Int4Linear
 from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker.model_runner import ModelRunner
@@ -65,16 +66,18 @@ def test_compiled_decode_matches_eager(model, engine_args, tol):
 
 
 @pytest.mark.skipif(q4_k_gemv() is None, reason="the Q4_K kernels could not be built")
-def test_compiled_decode_runs_the_tiles_the_warm_up_made(tmp_path):
-    """A GGUF of Q4_K weights: the warm-up regroups them into tiles before it compiles, so the compiled decode step
-    calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and batched."""
-    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", T.Q4_K))
+@pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear)])
+def test_compiled_decode_runs_the_tiles_the_warm_up_made(tmp_path, qtype, layer_type):
+    """A GGUF of Q4_K (or Q4_1) weights: the warm-up regroups them into tiles before it compiles, so the compiled
+    decode step calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and
+    batched."""
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
     eager = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=True)
     compiled = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=False)
     assert not eager.llm_engine.model_runner.wait_for_warm_up()
     assert compiled.llm_engine.model_runner.wait_for_warm_up()
     for llm in (eager, compiled):
-        layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, SuperBlockLinear)]
+        layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, layer_type)]
         assert layers and all(m.tiles is not None for m in layers)
     for prompts in (PROMPTS[:1], PROMPTS):
         for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inferno.cpu_features import cpu_flags, cpu_key, has_native_bfloat16, isa_cflags
 from inferno.kernels import extension_name, quantized_gemv
 from inferno.layers import quantization
-from inferno.layers.quantization import Int4Linear, Q8Groups, Q8Linear, quantize_int4, quantize_q8_symmetric
+from inferno.layers.quantization import (Int4Linear, Q8Groups, Q8Linear, ZeroPointInt4, quantize_int4,
+                                         quantize_q8_symmetric)
+from narrow_builds import narrow_build_int4_tiles_outputs
 
 needs_kernel = pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17]
@@ -23,7 +26,8 @@ def quantize_rows_like_q8(x: torch.Tensor) -> torch.Tensor:
     """x rounded the way the kernels quantize it: absmax / 127 per block of 32, to nearest (ties to even)."""
     blocks = x.view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    codes = torch.where(amax > 0, torch.round(blocks * (127 / amax)), 0)
+    inverse = torch.full_like(amax, 127) / amax  # a true division: PyTorch computes 127 / amax as 127 * (1 / amax)
+    codes = torch.where(amax > 0, torch.round(blocks * inverse), 0)
     return (codes * (amax / 127)).view_as(x)
 
 
@@ -115,6 +119,95 @@ def test_int4_kernel_matches_the_sums_it_promises(m, k, group_size):
     x[-1] = 2.0  # every activation code 127: the 16-bit sums of the AVX2 kernel at their largest
     y = quantized_gemv().int4_q8_matmul(x, layer.weight, group_size)
     assert_close_to(y, int4_reference(layer, x))
+
+
+def int4_layer(n: int, k: int, group_size: int, zero_points: bool, seed: int) -> Int4Linear:
+    """Random int4 weights (with integer zero points: the AWQ / GPTQ form) whose row 0 is all codes 15 and row 1
+    all 0."""
+    g = torch.Generator().manual_seed(seed)
+    weight = quantize_int4(torch.randn(n, k, generator=g), group_size)
+    weight.codes[0], weight.codes[1] = 15, 0
+    if zero_points:
+        zeros = torch.randint(0, 17, weight.scales.shape, dtype=torch.uint8, generator=g)
+        weight = ZeroPointInt4(weight.codes, weight.scales.half(), zeros)
+    return Int4Linear(weight, None)
+
+
+def int4_kernel_inputs(m: int, k: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k))
+    x[0, 32:64] = 0  # an all-zero block has scale 0
+    x[-1, :64] = 2.0  # activation codes 127 and -127 against whole rows of codes 15: the 16-bit sums at their largest
+    x[-1, 64:128] = -2.0
+    return x
+
+
+def untiled_int4(tiles: torch.Tensor, k: int, zero_points: bool) -> torch.Tensor:
+    """The weight [N, K] rebuilt from int4 tiles as the layout promises (quantized_gemv.cpp), in float32 as the
+    dequantizer computes it: code * d + min, min = -zero * d with zero points."""
+    blocks = tiles.view(tiles.shape[0], k // 32, 320)
+    d = blocks[..., :32].contiguous().view(torch.float16).float()  # [tiles, blocks, 16 rows]
+    second = blocks[..., 32:64].contiguous().view(torch.float16).float()
+    lanes = blocks[..., 64:].reshape(tiles.shape[0], k // 32, 4, 16, 4)  # (tile, block, group, row, column)
+    codes = torch.cat([lanes & 0x0F, lanes >> 4], dim=-1)  # columns 8 g + c and 8 g + 4 + c
+    codes = codes.permute(0, 3, 1, 2, 4).reshape(tiles.shape[0] * 16, k // 32, 32).float()
+    d, second = (t.permute(0, 2, 1).reshape(-1, k // 32, 1) for t in (d, second))
+    min = -second * d if zero_points else second
+    return (codes * d + min).view(-1, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k, group_size", [(576, 32), (704, 64), (896, 128)])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_int4_tiles_hold_every_value(k, group_size, zero_points):
+    layer = int4_layer(48, k, group_size, zero_points, seed=k)
+    layer.tile()
+    assert layer.tiles.shape == (3, k // 32 * 320) and layer.unread_buffers == ("weight",)
+    assert torch.equal(untiled_int4(layer.tiles, k, zero_points), layer.dequantize())
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [*ROWS, 130])  # 130: two panels of rows (128 each)
+@pytest.mark.parametrize("k, group_size", [(32, 32), (576, 32), (704, 64), (1536, 128)])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_int4_tiles_kernel_matches_the_sums_it_promises(m, k, group_size, zero_points):
+    layer = int4_layer(80, k, group_size, zero_points, seed=m)  # 5 tiles: a group of 4 and one more
+    x = int4_kernel_inputs(m, k)
+    tiles = quantized_gemv().int4_tile(layer.weight, k, group_size)
+    assert_close_to(quantized_gemv().int4_tiles_matmul(x, tiles, zero_points), int4_reference(layer, x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
+                         ids=["avx2", "avx2-without-vnni", "plain"])
+def test_narrower_builds_of_the_int4_tiles_kernel_compute_the_same_sums(tmp_path, flags):
+    layer = int4_layer(48, 704, 64, zero_points=True, seed=0)
+    xs = [int4_kernel_inputs(m, 704) for m in (1, 5)]
+    ys = narrow_build_int4_tiles_outputs(tmp_path, flags, xs, layer.weight, 704, 64, True)
+    for x, y in zip(xs, ys):
+        assert_close_to(y, int4_reference(layer, x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, quantization.INT4_DEQUANTIZE_FROM_ROWS + 1])
+def test_tiled_int4_linear_computes_the_kernels_sums_at_every_batch_size(rows):
+    weight = quantize_int4(torch.randn(208, 600, generator=torch.Generator().manual_seed(rows)), 32)
+    layer = Int4Linear(weight, bias=torch.randn(208), in_features=600)  # 8 appended columns, ignored
+    x = torch.randn(2, rows, 600, generator=torch.Generator().manual_seed(rows))
+    untiled = layer(x)
+    assert layer.can_tile and layer.unread_buffers == ()
+    layer.tile()
+    y = layer(x)
+    assert y.shape == (2, rows, 208) and layer.tiles is not None
+    ref = quantize_rows_like_q8(F.pad(x.reshape(-1, 600), (0, 8))).double() @ layer.dequantize().double().t()
+    assert_close_to(y.reshape(-1, 208) - layer.bias, ref)
+    if rows < quantization.INT4_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the packed rows' kernel
+        torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
+
+
+def test_an_int4_weight_of_rows_not_a_multiple_of_16_is_not_tiled():
+    layer = Int4Linear(quantize_int4(torch.randn(200, 64), 32), None)
+    layer.tile()
+    assert not layer.can_tile and layer.tiles is None
 
 
 @needs_kernel

@@ -14,6 +14,7 @@ from inferno.kernels import q4_k_gemv
 from inferno import LLM, SamplingParams
 from inferno.layers import q4_k
 from inferno.layers.q4_k import Q4KBlocks, Q4KLinear
+from inferno.layers.quantization import Int4Linear
 from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
@@ -234,19 +235,21 @@ def test_a_weight_of_rows_not_a_multiple_of_16_is_not_tiled():
 
 
 @needs_kernel
-def test_the_warm_up_tiles_the_engines_q4_k_weights_without_changing_a_token(tmp_path, monkeypatch):
-    """Requests run on the stored blocks, the warm-up thread regroups them into tiles (held back here until they
-    are done), later requests run on those: the same tokens; the stored blocks are no longer among the weights moved
-    onto huge pages."""
+@pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear)])
+def test_the_warm_up_tiles_the_engines_4_bit_weights_without_changing_a_token(tmp_path, monkeypatch, qtype,
+                                                                             layer_type):
+    """Requests run on the stored blocks (Q4_K as stored, Q4_1 as the int4 kernel's rows), the warm-up thread
+    regroups them into tiles (held back here until they are done), later requests run on those: the same tokens;
+    the stored blocks are no longer among the weights moved onto huge pages."""
     release = threading.Event()
     tile_weights = ModelRunner._tile_weights
     monkeypatch.setattr(ModelRunner, "_tile_weights", lambda self: (release.wait(), tile_weights(self)))
-    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", T.Q4_K))
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     llm = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
     runner = llm.llm_engine.model_runner
-    layers = [m for m in runner.model.modules() if isinstance(m, SuperBlockLinear)]
+    layers = [m for m in runner.model.modules() if isinstance(m, layer_type)]
     assert layers and all(m.can_tile for m in layers)
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(m.tiles is None for m in layers)

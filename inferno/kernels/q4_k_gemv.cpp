@@ -341,27 +341,6 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
 #elif defined(__AVX2__)
 constexpr int64_t TILE_ROW_BLOCK = 4;
 
-// A sub-block's products per 32-bit lane (4 codes of a weight row times 4 of x), summed over its 8 code vectors.
-// With AVX-VNNI one instruction per vector. Without, maddubs adds pairs of products into 16 bits; the 8 vectors' pairs
-// are summed there too (8 * 2 * 15 * 127 < 2^15) and widened once per sub-block: 1.1 multiplies per vector, not 2.
-struct SubBlockDots {
-  __m256i sums = _mm256_setzero_si256();
-  void add(__m256i w, __m256i x) {
-#if defined(__AVXVNNI__)
-    sums = _mm256_dpbusd_avx_epi32(sums, w, x);
-#else
-    sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(w, x));
-#endif
-  }
-  __m256i total() const {
-#if defined(__AVXVNNI__)
-    return sums;
-#else
-    return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
-#endif
-  }
-};
-
 inline __m256 bytes_as_floats(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -382,7 +361,7 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
       const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 320 * j;  // a decode step streams the weights: 2 KB ahead
       for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
       for (int64_t h = 0; h < 2; ++h) {
-        SubBlockDots dots[R];
+        NibbleDots dots[R];
         for (int64_t g = 4 * j; g < 4 * j + 4; ++g) {
           const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + TILE_CODES + 64 * g + 32 * h));
           const __m256i low = _mm256_and_si256(codes, low4), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);

@@ -537,6 +537,175 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
 }
 #endif
 
+// ---- int4 tiles: the packed rows regrouped, losslessly, with weight rows in vector lanes (as q4_k_tile's) ----
+// A tile is TILE_ROWS consecutive weight rows; per block of 32 columns INT4_TILE_BLOCK_BYTES bytes: the 16 rows'
+// scales d (float16, the block's group's), then their second float16 (min, or zero point), then the codes in 4 groups
+// of 8 columns, 64 bytes each: byte 4 r + c of group g holds row r's codes of columns 8 g + c (low nibble) and
+// 8 g + 4 + c (high nibble). The 64 low (high) nibbles of a group are 16 rows' 4 consecutive codes, one 32-bit lane
+// per weight row: one VNNI instruction (or maddubs) with 4 codes of a row of x broadcast adds 4 products to each of
+// 16 outputs, no horizontal sums, and one load of codes serves every row of x of a pass. Per block of a row:
+//   sum w x = d xs * (sum q xq) + min * (sum of the block's rounded x),  min = -zero * d with zero points
+// Every value is kept (5 bits per weight with groups of 32, as the packed rows; 4 more bytes per 32 columns and row
+// with groups of 64 or 128, whose scales every block repeats).
+constexpr int64_t INT4_TILE_BLOCK_BYTES = 320;
+constexpr int64_t INT4_TILE_SECONDS = 32, INT4_TILE_CODES = 64;  // byte offsets in a tile block
+
+// packed [N, int4_row_bytes] uint8 (N a multiple of 16) -> tiles [N / 16, K / 32 * 320] uint8
+at::Tensor int4_tile(const at::Tensor& packed, int64_t k, int64_t group_size) {
+  TORCH_CHECK(group_size % X_BLOCK == 0 && k % group_size == 0,
+              "group_size must be a multiple of 32 and k of group_size, got ", group_size, " and ", k);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == int4_row_bytes(k, group_size),
+              "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
+  const int64_t n = packed.size(0), blocks = k / X_BLOCK, groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
+  TORCH_CHECK(n % TILE_ROWS == 0, "int4 tiles take a multiple of ", TILE_ROWS, " rows, got ", n);
+  auto tiles = at::empty({n / TILE_ROWS, blocks * INT4_TILE_BLOCK_BYTES}, packed.options());
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  uint8_t* tp = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, n / TILE_ROWS, 16, [&](int64_t begin, int64_t end) {
+    uint8_t codes[X_BLOCK];
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r = 0; r < TILE_ROWS; ++r) {
+        const uint8_t* row = pp + (t * TILE_ROWS + r) * row_bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint8_t* out = tp + (t * blocks + b) * INT4_TILE_BLOCK_BYTES;
+          const int64_t g = b * X_BLOCK / group_size;
+          std::memcpy(out + 2 * r, row + k / 2 + 2 * g, 2);
+          std::memcpy(out + INT4_TILE_SECONDS + 2 * r, row + k / 2 + 2 * (groups + g), 2);
+          int4_block_codes(row, blocks, b, codes);
+          for (int64_t q = 0; q < 4; ++q)
+            for (int64_t c = 0; c < 4; ++c)
+              out[INT4_TILE_CODES + 64 * q + 4 * r + c] = static_cast<uint8_t>(codes[8 * q + c] | (codes[8 * q + 4 + c] << 4));
+        }
+      }
+  });
+  return tiles;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t INT4_TILE_ROW_BLOCK = 8;
+
+// One tile's 16 outputs for R rows of x (from row r0), blocks [s0, s1): per block and row of x, 8 VNNI instructions,
+// then a float multiply-add with d times the block's xs and one with min times its sum. Added to y unless `first`.
+template <int64_t R>
+void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+                    bool first, bool zero_points) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * INT4_TILE_BLOCK_BYTES;
+    for (int64_t line = 0; line < INT4_TILE_BLOCK_BYTES; line += 64)  // a decode step streams the weights
+      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * X_BLOCK;  // row r's codes at xc + r * X_BLOCK
+    const float *xs = x.scales.data() + at, *xm = x.sums.data() + at;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    const __m512 second = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + INT4_TILE_SECONDS)));
+    const __m512 min = zero_points ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), second), d) : second;
+    __m512i dots[R];
+    for (int64_t r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < 4; ++g) {
+      const __m512i codes = _mm512_loadu_si512(b + INT4_TILE_CODES + 64 * g);
+      const __m512i low = _mm512_and_si512(codes, low4), high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t x_low, x_high;
+        std::memcpy(&x_low, xc + r * X_BLOCK + 8 * g, 4);
+        std::memcpy(&x_high, xc + r * X_BLOCK + 8 * g + 4, 4);
+        dots[r] = _mm512_dpbusd_epi32(dots[r], low, _mm512_set1_epi32(x_low));
+        dots[r] = _mm512_dpbusd_epi32(dots[r], high, _mm512_set1_epi32(x_high));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(xm[r]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) add_partial(y + (r0 + r) * n, acc[r], first);
+}
+#elif defined(__AVX2__)
+constexpr int64_t INT4_TILE_ROW_BLOCK = 4;
+
+// int4_tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1)
+template <int64_t R>
+void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+                    bool first, bool zero_points) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * INT4_TILE_BLOCK_BYTES;
+    for (int64_t line = 0; line < INT4_TILE_BLOCK_BYTES; line += 64)  // a decode step streams the weights
+      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * X_BLOCK;
+    const float *xs = x.scales.data() + at, *xm = x.sums.data() + at;
+    for (int64_t h = 0; h < 2; ++h) {
+      NibbleDots dots[R];
+#pragma GCC unroll 1  // unrolled, GCC moves the multiplies ahead of the adds and spills their results
+      for (int64_t g = 0; g < 4; ++g) {
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + INT4_TILE_CODES + 64 * g + 32 * h));
+        const __m256i low = _mm256_and_si256(codes, low4), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+        for (int64_t r = 0; r < R; ++r) {
+          int32_t x_low, x_high;
+          std::memcpy(&x_low, xc + r * X_BLOCK + 8 * g, 4);
+          std::memcpy(&x_high, xc + r * X_BLOCK + 8 * g + 4, 4);
+          dots[r].add(low, _mm256_set1_epi32(x_low));
+          dots[r].add(high, _mm256_set1_epi32(x_high));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
+      const __m256 second = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + INT4_TILE_SECONDS + 16 * h)));
+      const __m256 min = zero_points ? _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), second), d) : second;
+      for (int64_t r = 0; r < R; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r].total()), _mm256_mul_ps(d, _mm256_set1_ps(xs[r])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(min, _mm256_set1_ps(xm[r]), acc[r][h]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < 2; ++h) add_partial(y + (r0 + r) * n + 8 * h, acc[r][h], first);
+}
+#else
+constexpr int64_t INT4_TILE_ROW_BLOCK = 1;
+
+template <int64_t R>
+void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+                    bool first, bool zero_points) {
+  static_assert(R == 1);
+  float acc[TILE_ROWS] = {};
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * INT4_TILE_BLOCK_BYTES;
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * X_BLOCK;
+    int32_t dots[TILE_ROWS] = {};
+    for (int64_t lane = 0; lane < 4 * 64; ++lane) {
+      const int64_t g = lane / 64, row = lane % 64 / 4, column = 8 * g + lane % 4;
+      const uint8_t codes = b[INT4_TILE_CODES + lane];
+      dots[row] += int32_t{codes & 0x0F} * xc[column] + int32_t{codes >> 4} * xc[column + 4];
+    }
+    for (int64_t row = 0; row < TILE_ROWS; ++row) {
+      const float d = half_at(b + 2 * row), second = half_at(b + INT4_TILE_SECONDS + 2 * row);
+      const float min = zero_points ? -second * d : second;
+      acc[row] += static_cast<float>(dots[row]) * (d * x.scales[at]) + min * x.sums[at];
+    }
+  }
+  for (int64_t row = 0; row < TILE_ROWS; ++row) add_partial(y + r0 * n + row, acc[row], first);
+}
+#endif
+
+// x [M, K] float32; tiles [N / 16, K / 32 * 320] uint8 (int4_tile) -> [M, N] float32, the sums of int4_q8_matmul
+at::Tensor int4_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles, bool zero_points) {
+  return tiles_matmul<INT4_TILE_ROW_BLOCK>(
+      x, tiles, INT4_TILE_BLOCK_BYTES, "int4", false,
+      [zero_points](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y, int64_t n, int64_t s0,
+                    int64_t s1, bool first) {
+        int4_tile_rows<decltype(rows)::value>(rx, r, tile, y, n, s0, s1, first, zero_points);
+      },
+      X_BLOCK);
+}
+
 // ---- signed int8 groups of 16 or 32 (Q8Groups) times activations quantized to int8 per block of 32 ----
 //   sum_k w x = sum_b xs_b * sum_{g in b} s_g * (sum_{k in g} c xq) + sum_g min_g * sum_{k in g} x
 // One x block holds one group of 32 or two of 16. The AVX-512 kernel above runs symmetric groups of 32 (Q8_0);
@@ -765,6 +934,8 @@ TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("int4_q8_matmul(Tensor x, Tensor packed, int group_size, bool zero_points=False) -> Tensor");
   m.def("int4_dequantize(Tensor packed, int k, int group_size, ScalarType dtype, bool zero_points=False) -> Tensor");
   m.def("int8_q8_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group_size, ScalarType dtype) -> Tensor");
+  m.def("int4_tile(Tensor packed, int k, int group_size) -> Tensor");
+  m.def("int4_tiles_matmul(Tensor x, Tensor tiles, bool zero_points=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
@@ -774,4 +945,6 @@ TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("int4_q8_matmul", &int4_q8_matmul);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int8_q8_dequantize", &int8_q8_dequantize);
+  m.impl("int4_tile", &int4_tile);
+  m.impl("int4_tiles_matmul", &int4_tiles_matmul);
 }

@@ -132,11 +132,35 @@ constexpr int64_t QK_K = 256;  // weights per super-block
 // partial sums to y (add_partial). The AVX-512 Q4_K and both Q6_K paths chunk; the AVX2 Q4_K path does not yet.
 constexpr int64_t L1_X_BYTES = 32 << 10;
 
-inline int64_t k_chunk(int64_t rows, int64_t k, int64_t bytes_per_column) {
-  const int64_t supers = k / QK_K;
+inline int64_t k_chunk(int64_t rows, int64_t k, int64_t bytes_per_column, int64_t span = QK_K) {
+  const int64_t supers = k / span;  // (span: columns per super-block)
   if (rows * k * bytes_per_column <= L1_X_BYTES) return supers;
-  return std::max<int64_t>(1, L1_X_BYTES / (rows * QK_K * bytes_per_column));
+  return std::max<int64_t>(1, L1_X_BYTES / (rows * span * bytes_per_column));
 }
+
+#if defined(__AVX2__)
+// The products of a block of 32 columns of a tile (4-bit codes, Q4_K and int4) per 32-bit lane: 4 codes of a weight
+// row times 4 of x, summed over the block's 8 code vectors. With AVX-VNNI one instruction per vector. Without,
+// maddubs adds pairs of products into 16 bits; the 8 vectors' pairs are summed there too (8 * 2 * 15 * 127 < 2^15)
+// and widened once per block: 1.1 multiplies per vector, not 2.
+struct NibbleDots {
+  __m256i sums = _mm256_setzero_si256();
+  void add(__m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    sums = _mm256_dpbusd_avx_epi32(sums, w, x);
+#else
+    sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(w, x));
+#endif
+  }
+  __m256i total() const {
+#if defined(__AVXVNNI__)
+    return sums;
+#else
+    return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+#endif
+  }
+};
+#endif
 
 inline void add_partial(float* y, float partial, bool first) { *y = first ? partial : *y + partial; }
 #if defined(__AVX2__)
@@ -173,70 +197,73 @@ at::Tensor super_block_matmul(const at::Tensor& x, const at::Tensor& blocks, int
   return y;
 }
 
-// ---- tiles: TILE_ROWS weight rows regrouped so that a vector holds a few columns of each (q4_k_tile, q6_k_tile) ----
+// ---- tiles: TILE_ROWS weight rows regrouped so that a vector holds a few columns of each (q4_k_tile, q6_k_tile,
+// int4_tile). A tile is a row of tile blocks, each holding `span` columns: a K-quant super-block (256) or an int4 block
+// of 32. ----
 constexpr int64_t TILE_ROWS = 16;
 constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them
 constexpr int64_t ROW_PANEL = 128;  // rows of x per pass over all of a thread's tiles
 
 // The rows of x as the tile kernels read them: per block of `row_block` rows (the blocks tiles_matmul passes start at
-// multiples of it; rows past M are zeros) and super-block, the rows' 256 codes one after another, likewise their 8
-// block scales and sums and (`with_starts`, Q6_K) minus 32 times the sum of each group of 16 codes. All that a row
-// block reads at a super-block is then at constant offsets from one pointer each.
+// multiples of it; rows past M are zeros) and tile block of `span` columns, the rows' span codes one after another,
+// likewise their span / 32 block scales and sums and (`with_starts`, Q6_K) minus 32 times the sum of each group of
+// 16 codes. All that a row block reads at a tile block is then at constant offsets from one pointer each.
 struct TileRows {
   int64_t row_block, supers;
-  std::vector<int8_t> codes;        // [row blocks][supers][row_block][256]
-  std::vector<float> scales, sums;  // [row blocks][supers][row_block][8]
-  std::vector<int32_t> starts;      // [row blocks][supers][row_block][16]
+  std::vector<int8_t> codes;        // [row blocks][supers][row_block][span]
+  std::vector<float> scales, sums;  // [row blocks][supers][row_block][span / 32]
+  std::vector<int32_t> starts;      // [row blocks][supers][row_block][span / 16]
 
-  // The row-block-and-super-block slot of row r0 (a multiple of row_block) at super-block s, counted in rows of
-  // one super-block: codes start at QK_K times it, scales and sums at 8 times it, starts at 16 times it.
+  // The row-block-and-tile-block slot of row r0 (a multiple of row_block) at tile block s, counted in rows of one
+  // tile block: codes start at span times it, scales and sums at span / 32 times it, starts at span / 16 times it.
   int64_t at(int64_t r0, int64_t s) const { return (r0 / row_block * supers + s) * row_block; }
 };
 
-inline TileRows tile_rows_of(const QuantizedRows& q, int64_t m, int64_t k, int64_t row_block, bool with_starts) {
-  const int64_t supers = k / QK_K, padded = (m + row_block - 1) / row_block * row_block;
+inline TileRows tile_rows_of(const QuantizedRows& q, int64_t m, int64_t k, int64_t row_block, bool with_starts,
+                             int64_t span) {
+  const int64_t supers = k / span, padded = (m + row_block - 1) / row_block * row_block, blocks = span / X_BLOCK;
   TileRows x{row_block, supers, std::vector<int8_t>(padded * k), std::vector<float>(padded * k / X_BLOCK),
              std::vector<float>(padded * k / X_BLOCK), std::vector<int32_t>(with_starts ? padded * k / 16 : 0)};
-  constexpr int64_t BLOCKS = QK_K / X_BLOCK;
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t s = 0; s < supers; ++s) {
         const int64_t to = x.at(r - r % row_block, s) + r % row_block, from = r * supers + s;
-        std::memcpy(&x.codes[to * QK_K], &q.codes[from * QK_K], QK_K);
-        std::memcpy(&x.scales[to * BLOCKS], &q.scales[from * BLOCKS], BLOCKS * sizeof(float));
-        std::memcpy(&x.sums[to * BLOCKS], &q.sums[from * BLOCKS], BLOCKS * sizeof(float));
-        for (int64_t g = 0; with_starts && g < QK_K / 16; ++g) {
+        std::memcpy(&x.codes[to * span], &q.codes[from * span], span);
+        std::memcpy(&x.scales[to * blocks], &q.scales[from * blocks], blocks * sizeof(float));
+        std::memcpy(&x.sums[to * blocks], &q.sums[from * blocks], blocks * sizeof(float));
+        for (int64_t g = 0; with_starts && g < span / 16; ++g) {
           int32_t sum = 0;
-          for (int64_t i = 0; i < 16; ++i) sum += q.codes[from * QK_K + 16 * g + i];
-          x.starts[to * (QK_K / 16) + g] = -32 * sum;
+          for (int64_t i = 0; i < 16; ++i) sum += q.codes[from * span + 16 * g + i];
+          x.starts[to * (span / 16) + g] = -32 * sum;
         }
       }
   });
   return x;
 }
 
-// x [M, K] float32 times tiles [N / 16, K / 256 * tile_block_bytes] -> [M, N] float32: x quantized and laid out
+// x [M, K] float32 times tiles [N / 16, K / span * tile_block_bytes] -> [M, N] float32: x quantized and laid out
 // as TileRows (with Q6_K's `with_starts`), then tile_rows(std::integral_constant<int64_t, R>{}, x, r, tile, y, n, s0,
-// s1, first) for every row block [r, r + R) of x, tile and chunk of super-blocks [s0, s1) (k_chunk: the row block's
+// s1, first) for every row block [r, r + R) of x, tile and chunk of tile blocks [s0, s1) (k_chunk: the row block's
 // codes stay in L1), the threads splitting the tiles; `y` is the tile's first output of row 0, and the chunks of a
 // row block and tile come in order, `first` (s0 = 0) before the others, whose sums are added to it.
 template <int64_t MAX_R, typename TileRowsKernel>
 at::Tensor tiles_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t tile_block_bytes, const char* type,
-                        bool with_starts, TileRowsKernel&& tile_rows) {
+                        bool with_starts, TileRowsKernel&& tile_rows, int64_t span = QK_K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
               tiles.size(1) % tile_block_bytes == 0,
-              "tiles must be contiguous uint8 [N / 16, K / 256 * ", tile_block_bytes, "] (", type, " tiles), got ",
-              tiles.scalar_type(), " ", tiles.sizes());
-  TORCH_CHECK(x.size(1) % QK_K == 0 && tiles.size(1) == x.size(1) / QK_K * tile_block_bytes, "x has ", x.size(1),
-              " columns but the tiles hold ", tiles.size(1) / tile_block_bytes * QK_K);
+              "tiles must be contiguous uint8 [N / 16, K / ", span, " * ", tile_block_bytes, "] (", type,
+              " tiles), got ", tiles.scalar_type(), " ", tiles.sizes());
+  TORCH_CHECK(x.size(1) % span == 0 && tiles.size(1) == x.size(1) / span * tile_block_bytes, "x has ", x.size(1),
+              " columns but the tiles hold ", tiles.size(1) / tile_block_bytes * span);
   const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * TILE_ROWS;
   auto y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  const TileRows rows = tile_rows_of(quantize_rows(x.data_ptr<float>(), m, k), m, k, MAX_R, with_starts);
+  const TileRows rows = tile_rows_of(quantize_rows(x.data_ptr<float>(), m, k), m, k, MAX_R, with_starts, span);
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t supers = k / QK_K, tile_bytes = supers * tile_block_bytes, chunk = k_chunk(std::min(m, MAX_R), k, 1);
+  const int64_t supers = k / span, tile_bytes = supers * tile_block_bytes;
+  const int64_t chunk = k_chunk(std::min(m, MAX_R), k, 1, span);
   at::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = 0; panel < m; panel += ROW_PANEL)
       for (int64_t group = begin; group < end; group += TILE_GROUP)

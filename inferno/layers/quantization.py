@@ -26,7 +26,7 @@ from torch import nn
 
 from inferno.config import PER_CHANNEL
 from inferno.cpu_features import cpu_flags, has_native_bfloat16
-from inferno.kernels import quantized_gemv
+from inferno.kernels import TILE_ROWS, quantized_gemv
 
 # The dense GEMMs of prefill and large batches (on dequantized weights): bfloat16 where the CPU has native
 # instructions for it (AVX512-BF16, AMX), float32 elsewhere (AVX2 has none: PyTorch's emulated bfloat16 GEMM is
@@ -340,7 +340,9 @@ class Int4Linear(nn.Module):
     then a float16 scale per group, then a float16 min (or, `zero_points`, integer zero point) per group; one
     contiguous stream per row. Decode-sized
     batches run the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense GEMM in
-    COMPUTE_DTYPE on the dequantized weight."""
+    COMPUTE_DTYPE on the dequantized weight. Like `SuperBlockLinear`, the weight can be regrouped into tiles of 16
+    rows (`tile`, every value kept; `inferno::int4_tiles_matmul`), which then run every batch size: 2-3x the
+    kernel's speed from 8 rows on, and above the dense GEMM at prefill sizes (benchmarks/kernels.py --int4-tiles)."""
 
     def __init__(self, weight: GroupQuantized | ZeroPointInt4 | PackedInt4, bias: torch.Tensor | None,
                  in_features: int | None = None):
@@ -361,7 +363,22 @@ class Int4Linear(nn.Module):
             self.padded_in_features, packed = weight.codes.shape[1], pack_int4(weight)
         self.register_buffer("weight", packed)
         self.register_buffer("bias", bias)
+        self.register_buffer("tiles", None)
         self.native = quantized_gemv() is not None
+
+    @property
+    def can_tile(self) -> bool:
+        return self.native and self.out_features % TILE_ROWS == 0
+
+    def tile(self) -> None:
+        """Regroup the weight into tiles (the model runner's warm-up does it: see SuperBlockLinear.tile). The packed
+        rows stay for `dequantize`; the forward no longer reads them."""
+        if self.can_tile and self.tiles is None:
+            self.tiles = torch.ops.inferno.int4_tile(self.weight, self.padded_in_features, self.group_size)
+
+    @property
+    def unread_buffers(self) -> tuple[str, ...]:
+        return () if self.tiles is None else ("weight",)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int) -> "Int4Linear":
@@ -386,7 +403,10 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.padded_in_features != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
-        if self.native and x2.shape[0] < INT4_DEQUANTIZE_FROM_ROWS:
+        tiles = self.tiles  # once: the warm-up thread may set it meanwhile
+        if tiles is not None:
+            y = torch.ops.inferno.int4_tiles_matmul(x2.float().contiguous(), tiles, self.zero_points)
+        elif self.native and x2.shape[0] < INT4_DEQUANTIZE_FROM_ROWS:
             y = torch.ops.inferno.int4_q8_matmul(x2.float().contiguous(), self.weight, self.group_size,
                                                  self.zero_points)
         else:

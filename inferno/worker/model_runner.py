@@ -15,6 +15,7 @@ from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
+from inferno.layers.quantization import Int4Linear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.model.llama import LlamaForCausalLM
@@ -138,9 +139,9 @@ class ModelRunner:
                 logger.exception("moving the weights onto huge pages failed; they stay where they are")
 
     def _tile_weights(self) -> None:
-        """Regroup the quantized weights that have tiles (`SuperBlockLinear.tile`), unless the copies would take
-        over half the memory available."""
-        layers = [m for m in self.model.modules() if isinstance(m, SuperBlockLinear) and m.can_tile]
+        """Regroup the quantized weights that have tiles (`SuperBlockLinear.tile`, `Int4Linear.tile`), unless the
+        copies would take over half the memory available."""
+        layers = [m for m in self.model.modules() if isinstance(m, (SuperBlockLinear, Int4Linear)) and m.can_tile]
         size = sum(m.weight.nbytes for m in layers)
         if not layers or size > available_memory() // 2:
             if layers:
