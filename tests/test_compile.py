@@ -68,9 +68,10 @@ def test_compiled_decode_matches_eager(model, engine_args, tol):
 @pytest.mark.skipif(q4_k_gemv() is None, reason="the Q4_K kernels could not be built")
 @pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear)])
 def test_compiled_decode_runs_the_tiles_the_warm_up_made(tmp_path, qtype, layer_type):
-    """A GGUF of Q4_K (or Q4_1) weights: the warm-up regroups them into tiles before it compiles, so the compiled
-    decode step calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and
-    batched."""
+    """A GGUF of Q4_K weights: the warm-up regroups them into tiles before it compiles, so the compiled decode step
+    calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and batched. Q4_1
+    weights are tiled after the compile (Int4Linear.tile): the compiled step runs the packed rows, the eager one the
+    tiles, and the tokens are the same."""
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
     eager = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=True)
     compiled = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=False)

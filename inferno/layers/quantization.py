@@ -372,7 +372,10 @@ class Int4Linear(nn.Module):
 
     def tile(self) -> None:
         """Regroup the weight into tiles (the model runner's warm-up does it: see SuperBlockLinear.tile). The packed
-        rows stay for `dequantize`; the forward no longer reads them."""
+        rows stay for `dequantize`. The warm-up tiles int4 weights after it compiles the decode step, whose graph then
+        keeps the packed rows' kernel: with `int4_tiles_matmul` in it, the compiled graph (inductor's cpp_wrapper)
+        corrupted the heap on SmolLM2-135M (a malloc abort in its first run; eager, the same graph through the Python
+        wrapper and an AddressSanitizer build of the kernels ran clean). Not understood yet."""
         if self.can_tile and self.tiles is None:
             self.tiles = torch.ops.inferno.int4_tile(self.weight, self.padded_in_features, self.group_size)
 
