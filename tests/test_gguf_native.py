@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import prefill_logits
+from conftest import num_clear_positions, prefill_logits, top2_gap
 from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
 from inferno.cpu_features import has_native_bfloat16
@@ -220,8 +220,9 @@ def test_each_pipeline_stage_keeps_its_own_layers_quantized(tmp_path):
 
 def test_draft_model_speculation_runs_as_stored_and_accepts_itself(tmp_path):
     """The draft loads with the target's options: the default model as its own draft (both native) gives plain
-    greedy decoding's tokens, nearly every draft accepted (the kernels' sums for the 1-row draft step and the 4-row
-    verification are ordered differently, so a near-tie may flip: one of 11 drafts here)."""
+    greedy decoding's tokens up to the first near-tie of plain decoding, nearly every draft accepted (the 1-row draft
+    step, the 4-row verification and plain decoding add the kernels' integer sums in different orders: compiled
+    decode steps run the packed int4 rows, the eager verification the int4 tiles, so a near-tie may flip)."""
     plain = LLM(kv_cache_memory=32 << 20)
     path = plain.llm_engine.model_path
     spec = LLM(kv_cache_memory=32 << 20, speculative_config={"method": "draft_model", "model": path,
@@ -229,6 +230,9 @@ def test_draft_model_speculation_runs_as_stored_and_accepts_itself(tmp_path):
     assert isinstance(spec.llm_engine.executor.worker.proposer.runner.model.layers[0].mlp.down_proj, Int4Linear)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = "The capital of France is"
-    expected = plain.generate(prompt, params)[0].outputs[0].token_ids
-    assert spec.generate(prompt, params)[0].outputs[0].token_ids == expected
+    with_logprobs = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)  # (not speculated)
+    expected = plain.generate(prompt, with_logprobs)[0].outputs[0]
+    # bfloat16 activations: the two orders of the sums move log-probabilities by up to about 0.1 here
+    clear = num_clear_positions([top2_gap(p) for p in expected.logprobs], logit_tolerance=0.1, min_compared=4)
+    assert spec.generate(prompt, params)[0].outputs[0].token_ids[:clear] == expected.token_ids[:clear]
     assert spec.llm_engine.spec_decoding_stats.acceptance_rate >= 0.8
