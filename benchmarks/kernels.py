@@ -20,6 +20,10 @@ stored (`q4_k_matmul` / `q6_k_matmul`), as the tiles the warm-up regroups them i
 `q6_k_tiles_matmul`) and dequantized to bfloat16 for the dense GEMM (the stored blocks' path from 96 / 64 rows):
 GMAC/s per row count, cycling over copies of a matrix so that a step's weights come from memory. The table
 replaces the `tiles` section of --output.
+
+--int4-tiles instead: SmolLM2-135M's int4 projections (qkv, gate/up, down; groups of 32) as the packed rows
+(`int4_q8_matmul`), as the tiles the warm-up regroups them into (`int4_tiles_matmul`) and dequantized for the dense
+GEMM: GMAC/s per row count; the table replaces the `int4-tiles` section of --output.
 """
 import argparse
 import platform
@@ -39,7 +43,7 @@ from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBacken
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
 from inferno.layers.q6_k import Q6KBlocks, Q6KLinear
 from inferno.layers.quantization import (COMPUTE_DTYPE, GroupQuantized, Int4Linear, Int8GroupLinear, Q8Groups, Q8Linear,
-                                         quantize_int4, quantize_int8, quantize_q8_symmetric)
+                                         pack_int4, quantize_int4, quantize_int8, quantize_q8_symmetric)
 from inferno.loader.gguf_blocks import T, q8_groups
 from inferno.worker.cpu_malloc import keep_freed_memory
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
@@ -281,6 +285,32 @@ def tiles_table(rows: list[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
+# SmolLM2-135M's int4 projections (Q4_1 file, groups of 32): (name, N, K, copies timed in turn)
+INT4_TILED_MATRICES = [("qkv", 960, 576, 30), ("gate/up", 3072, 576, 30), ("down", 576, 1536, 30)]
+
+
+def int4_tiles_table(rows: list[int], repeats: int) -> str:
+    dense_name = "bf16" if COMPUTE_DTYPE == torch.bfloat16 else "float32"
+    lines = [f"| matrix | rows | packed rows GMAC/s | tiles GMAC/s | dequantize + {dense_name} GEMM GMAC/s | "
+             "tiles × packed |", "|---|---:|---:|---:|---:|---:|"]
+    g = torch.Generator().manual_seed(0)
+    ops = torch.ops.inferno
+    for name, n, k, copies in INT4_TILED_MATRICES:
+        packed = [pack_int4(quantize_int4(torch.randn(n, k, generator=g), 32)) for _ in range(copies)]
+        tiles = [ops.int4_tile(w, k, 32) for w in packed]
+        for m in rows:
+            x, macs = torch.randn(m, k), m * n * k / 1e9
+            stored = median_time(lambda: [ops.int4_q8_matmul(x, w, 32, False) for w in packed], repeats) / copies
+            tiled = median_time(lambda: [ops.int4_tiles_matmul(x, t, False) for t in tiles], repeats) / copies
+            xd = x.to(COMPUTE_DTYPE)
+            dense = (median_time(lambda: F.linear(xd, ops.int4_dequantize(packed[0], k, 32, COMPUTE_DTYPE)), repeats)
+                     if m >= 32 else None)
+            lines.append(f"| {name} {n} × {k} | {m} | {macs / stored:.0f} | {macs / tiled:.0f} | "
+                         f"{'–' if dense is None else f'{macs / dense:.0f}'} | {stored / tiled:.2f}× |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -290,6 +320,7 @@ def main() -> None:
                    help="instead: ms per decode step of these models' projections, kernel against dense")
     p.add_argument("--q6-k", action="store_true", help="instead: Q6_K as Q8 groups of 16 against as stored")
     p.add_argument("--tiles", action="store_true", help="instead: Q4_K / Q6_K as stored, as tiles and dense")
+    p.add_argument("--int4-tiles", action="store_true", help="instead: int4 as packed rows, as tiles and dense")
     p.add_argument("--kinds", nargs="+", default=["int4", "q8_0", "q5_k", "q6_k", "q6_k_blocks", "int8-group"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--no-dense", action="store_true", help="skip the dequantize + GEMM column")
@@ -325,6 +356,24 @@ def main() -> None:
         print(table)
         if args.output:
             write_section(Path(args.output), "tiles", table)
+            print(f"updated {args.output}")
+        return
+    if args.int4_tiles:
+        torch.set_num_threads(args.threads[-1])
+        keep_freed_memory()
+        flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni"}))
+        table = "\n".join([
+            "## int4 tiles against the packed rows (`benchmarks/kernels.py --int4-tiles`)", "",
+            f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- Machine: {platform.processor() or platform.machine()} ({flags}), {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}; shared machine, compare within one run",
+            f"- Command: `{' '.join(['python kernels.py', *sys.argv[1:]])}`",
+            f"- Medians of {args.repeats} timings; SmolLM2-135M's int4 projections (groups of 32), random data, "
+            "cycling over 30 copies (a decode step's weights come from memory)", "",
+            int4_tiles_table(args.rows, args.repeats)])
+        print(table)
+        if args.output:
+            write_section(Path(args.output), "int4-tiles", table)
             print(f"updated {args.output}")
         return
     if args.projections is not None:

@@ -342,9 +342,9 @@ class Int4Linear(nn.Module):
     batches run the kernel; from INT4_DEQUANTIZE_FROM_ROWS rows, or without the native kernels, a dense GEMM in
     COMPUTE_DTYPE on the dequantized weight. Like `SuperBlockLinear`, the weight can be regrouped into tiles of 16
     rows (`tile`, every value kept; `inferno::int4_tiles_matmul`), which then run every batch size: 2-3x the
-    kernel's speed from 8 rows on, and above the dense GEMMs at prefill sizes (SmolLM2-135M's shapes, 2 threads:
-    AVX-512 about 550 GMAC/s against 200 for the packed rows and 100 for float32; capped at AVX2, 210-240 against
-    100-150)."""
+    kernel's speed from 8 rows on, and above the dense GEMMs at prefill sizes (SmolLM2-135M's shapes, 2 threads,
+    32-512 rows: AVX-512 425-567 GMAC/s against 169-283 packed and 93-407 bfloat16; capped at AVX2, 156-226 against
+    83-123 packed and 37-98 float32; `benchmarks/kernels.py --int4-tiles`, RESULTS.md `int4-tiles`)."""
 
     def __init__(self, weight: GroupQuantized | ZeroPointInt4 | PackedInt4, bias: torch.Tensor | None,
                  in_features: int | None = None):
