@@ -311,6 +311,25 @@ def int4_tiles_table(rows: list[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
+def write_tiles_report(args: argparse.Namespace, section: str, title: str, data: str, table_of) -> None:
+    """A tiles table (`table_of(rows, repeats)`) on the last --threads, with the run's date, machine and command;
+    printed, and written as `section` of --output."""
+    torch.set_num_threads(args.threads[-1])
+    keep_freed_memory()  # as the engine does: a large temporary is not a fresh mmap each time
+    flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni"}))
+    table = "\n".join([
+        f"## {title}", "",
+        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- Machine: {platform.processor() or platform.machine()} ({flags}), {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; shared machine, compare within one run",
+        f"- Command: `{' '.join(['python kernels.py', *sys.argv[1:]])}`",
+        f"- Medians of {args.repeats} timings; {data}", "",
+        table_of(args.rows, args.repeats)])
+    print(table)
+    if args.output:
+        write_section(Path(args.output), section, table)
+        print(f"updated {args.output}")
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -342,39 +361,15 @@ def main() -> None:
     if args.tiles:
         if q4_k_gemv() is None:
             sys.exit("the native kernels could not be built (a C++ compiler is needed)")
-        torch.set_num_threads(args.threads[-1])
-        keep_freed_memory()  # as the engine does: a large temporary is not a fresh mmap each time
-        flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni"}))
-        table = "\n".join([
-            "## Q4_K and Q6_K tiles against the blocks as stored (`benchmarks/kernels.py --tiles`)", "",
-            f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"- Machine: {platform.processor() or platform.machine()} ({flags}), {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}; shared machine, compare within one run",
-            f"- Command: `{' '.join(['python kernels.py', *sys.argv[1:]])}`",
-            f"- Medians of {args.repeats} timings; Qwen2.5-Coder-1.5B Q4_K_M's shapes, random data", "",
-            tiles_table(args.rows, args.repeats)])
-        print(table)
-        if args.output:
-            write_section(Path(args.output), "tiles", table)
-            print(f"updated {args.output}")
+        write_tiles_report(args, "tiles",
+                           "Q4_K and Q6_K tiles against the blocks as stored (`benchmarks/kernels.py --tiles`)",
+                           "Qwen2.5-Coder-1.5B Q4_K_M's shapes, random data", tiles_table)
         return
     if args.int4_tiles:
-        torch.set_num_threads(args.threads[-1])
-        keep_freed_memory()
-        flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni"}))
-        table = "\n".join([
-            "## int4 tiles against the packed rows (`benchmarks/kernels.py --int4-tiles`)", "",
-            f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"- Machine: {platform.processor() or platform.machine()} ({flags}), {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}; shared machine, compare within one run",
-            f"- Command: `{' '.join(['python kernels.py', *sys.argv[1:]])}`",
-            f"- Medians of {args.repeats} timings; SmolLM2-135M's int4 projections (groups of 32), random data, "
-            "cycling over 30 copies (a decode step's weights come from memory)", "",
-            int4_tiles_table(args.rows, args.repeats)])
-        print(table)
-        if args.output:
-            write_section(Path(args.output), "int4-tiles", table)
-            print(f"updated {args.output}")
+        write_tiles_report(args, "int4-tiles",
+                           "int4 tiles against the packed rows (`benchmarks/kernels.py --int4-tiles`)",
+                           "SmolLM2-135M's int4 projections (groups of 32), random data, cycling over 30 copies (a "
+                           "decode step's weights come from memory)", int4_tiles_table)
         return
     if args.projections is not None:
         print(projections_table(args.projections or list(MODELS), args.kinds, args.rows, args.repeats,

@@ -349,7 +349,6 @@ inline __m256 bytes_as_floats(const uint8_t* p) {
 template <int64_t R>
 void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
                bool first) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
@@ -357,27 +356,20 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * QK_K;
     const float *xs = x.scales.data() + at * SUB_BLOCKS, *xm = x.sums.data() + at * SUB_BLOCKS;
+    __m256 d[2], dmin[2];
+    for (int64_t h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
+      dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * TILE_ROWS + 16 * h)));
+    }
     for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
       const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 320 * j;  // a decode step streams the weights: 2 KB ahead
       for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
       for (int64_t h = 0; h < 2; ++h) {
         NibbleDots dots[R];
-        for (int64_t g = 4 * j; g < 4 * j + 4; ++g) {
-          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + TILE_CODES + 64 * g + 32 * h));
-          const __m256i low = _mm256_and_si256(codes, low4), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
-          for (int64_t r = 0; r < R; ++r) {
-            const int8_t* xg = xc + r * QK_K + 8 * g;
-            int32_t x_low, x_high;
-            std::memcpy(&x_low, xg, 4);
-            std::memcpy(&x_high, xg + 4, 4);
-            dots[r].add(low, _mm256_set1_epi32(x_low));
-            dots[r].add(high, _mm256_set1_epi32(x_high));
-          }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * TILE_ROWS + 16 * h)));
-        const __m256 ws = _mm256_mul_ps(d, bytes_as_floats(b + TILE_SCALES + TILE_ROWS * j + 8 * h));
-        const __m256 wm = _mm256_mul_ps(dmin, bytes_as_floats(b + TILE_MINS + TILE_ROWS * j + 8 * h));
+        for (int64_t g = 4 * j; g < 4 * j + 4; ++g)
+          add_nibble_vector(dots, b + TILE_CODES + 64 * g + 32 * h, xc + 8 * g, QK_K);
+        const __m256 ws = _mm256_mul_ps(d[h], bytes_as_floats(b + TILE_SCALES + TILE_ROWS * j + 8 * h));
+        const __m256 wm = _mm256_mul_ps(dmin[h], bytes_as_floats(b + TILE_MINS + TILE_ROWS * j + 8 * h));
         for (int64_t r = 0; r < R; ++r) {
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r].total()),
                                       _mm256_mul_ps(ws, _mm256_set1_ps(xs[SUB_BLOCKS * r + j])), acc[r][h]);

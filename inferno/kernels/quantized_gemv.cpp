@@ -631,7 +631,6 @@ constexpr int64_t INT4_TILE_ROW_BLOCK = 4;
 template <int64_t R>
 void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
                     bool first, bool zero_points) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
@@ -644,17 +643,7 @@ void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y
     for (int64_t h = 0; h < 2; ++h) {
       NibbleDots dots[R];
 #pragma GCC unroll 1  // unrolled, GCC moves the multiplies ahead of the adds and spills their results
-      for (int64_t g = 0; g < 4; ++g) {
-        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + INT4_TILE_CODES + 64 * g + 32 * h));
-        const __m256i low = _mm256_and_si256(codes, low4), high = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
-        for (int64_t r = 0; r < R; ++r) {
-          int32_t x_low, x_high;
-          std::memcpy(&x_low, xc + r * X_BLOCK + 8 * g, 4);
-          std::memcpy(&x_high, xc + r * X_BLOCK + 8 * g + 4, 4);
-          dots[r].add(low, _mm256_set1_epi32(x_low));
-          dots[r].add(high, _mm256_set1_epi32(x_high));
-        }
-      }
+      for (int64_t g = 0; g < 4; ++g) add_nibble_vector(dots, b + INT4_TILE_CODES + 64 * g + 32 * h, xc + 8 * g, X_BLOCK);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
       const __m256 second = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + INT4_TILE_SECONDS + 16 * h)));
       const __m256 min = zero_points ? _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), second), d) : second;

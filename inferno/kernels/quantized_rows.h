@@ -160,6 +160,21 @@ struct NibbleDots {
 #endif
   }
 };
+
+// One 32-byte vector of a tile's codes (8 weight rows x 4 columns as low nibbles, the next 4 columns as high ones)
+// times R rows of x, added to their dots: row r's 8 columns at x + r * x_stride.
+template <int64_t R>
+inline void add_nibble_vector(NibbleDots (&dots)[R], const uint8_t* codes, const int8_t* x, int64_t x_stride) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  const __m256i low = _mm256_and_si256(v, low4), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  for (int64_t r = 0; r < R; ++r) {
+    int32_t x_low, x_high;
+    std::memcpy(&x_low, x + r * x_stride, 4);
+    std::memcpy(&x_high, x + r * x_stride + 4, 4);
+    dots[r].add(low, _mm256_set1_epi32(x_low));
+    dots[r].add(high, _mm256_set1_epi32(x_high));
+  }
+}
 #endif
 
 inline void add_partial(float* y, float partial, bool first) { *y = first ? partial : *y + partial; }
