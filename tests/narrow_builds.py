@@ -60,3 +60,12 @@ def narrow_build_int4_tiles_outputs(tmp_path: Path, flags: str, xs: list[torch.T
     code = (f"xs, packed = inputs\nops = torch.ops.inferno\ntiles = ops.int4_tile(packed, {k}, {group_size})\n"
             f"outputs = [ops.int4_tiles_matmul(x, tiles, {zero_points}) for x in xs]")
     return narrow_build_run(tmp_path, ["quantized_gemv.cpp"], flags, code, (xs, packed))
+
+
+def narrow_build_q8_tiles_outputs(tmp_path: Path, flags: str, xs: list[torch.Tensor], codes: torch.Tensor,
+                                  scales: torch.Tensor) -> list[torch.Tensor]:
+    """The Q8 tiles (quantized_gemv.cpp): `q8_tiles_matmul(x, q8_tile(codes, scales))` for each x from the build with
+    `flags`."""
+    code = ("xs, codes, scales = inputs\nops = torch.ops.inferno\ntiles = ops.q8_tile(codes, scales)\n"
+            "outputs = [ops.q8_tiles_matmul(x, tiles) for x in xs]")
+    return narrow_build_run(tmp_path, ["quantized_gemv.cpp"], flags, code, (xs, codes, scales))

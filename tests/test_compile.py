@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from conftest import assert_all_blocks_free, is_near_tie, top2_gap
 from inferno import LLM, SamplingParams
 from inferno.kernels import paged_attention, q4_k_gemv
-from inferno.layers.quantization import Int4Linear
+from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker.model_runner import ModelRunner
@@ -66,20 +66,23 @@ def test_compiled_decode_matches_eager(model, engine_args, tol):
 
 
 @pytest.mark.skipif(q4_k_gemv() is None, reason="the Q4_K kernels could not be built")
-@pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear)])
+@pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear),
+                                               (T.Q8_0, Q8Linear)])
 def test_compiled_decode_runs_the_tiles_the_warm_up_made(tmp_path, qtype, layer_type):
-    """A GGUF of Q4_K weights: the warm-up regroups them into tiles before it compiles, so the compiled decode step
-    calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and batched. Q4_1
-    weights are tiled after the compile (Int4Linear.tile): the compiled step runs the packed rows, the eager one the
-    tiles, and the tokens are the same."""
-    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
+    """A GGUF of Q4_K (Q4_1, Q8_0) weights: the warm-up regroups them into tiles before it compiles, so the compiled
+    decode step calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and
+    batched. Int4 and Q8 weights' codes stay in memory for `dequantize`: zeroed here, they must change no token."""
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype, tied=False))
     eager = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=True)
     compiled = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=False)
     assert not eager.llm_engine.model_runner.wait_for_warm_up()
     assert compiled.llm_engine.model_runner.wait_for_warm_up()
     for llm in (eager, compiled):
-        layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, layer_type)]
-        assert layers and all(m.tiles is not None for m in layers)
+        layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, layer_type) and m.can_tile]
+        assert len(layers) >= 8 and all(m.tiles is not None for m in layers)  # 2 layers' projections at least
+        if layer_type in (Int4Linear, Q8Linear):
+            for m in layers:
+                m.weight.zero_()
     for prompts in (PROMPTS[:1], PROMPTS):
         for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):
             assert_same_tokens(ref, out, 0.15)  # bfloat16 activations (dtype auto)

@@ -16,7 +16,7 @@ from inferno.kernels import extension_name, quantized_gemv
 from inferno.layers import quantization
 from inferno.layers.quantization import (Int4Linear, Q8Groups, Q8Linear, ZeroPointInt4, quantize_int4,
                                          quantize_q8_symmetric)
-from narrow_builds import narrow_build_int4_tiles_outputs
+from narrow_builds import narrow_build_int4_tiles_outputs, narrow_build_q8_tiles_outputs
 
 needs_kernel = pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17]
@@ -218,6 +218,76 @@ def test_int4_dequantizer_matches_torch(group_size, dtype):
     native = layer.dequantize(dtype)
     layer.native = False
     assert native.dtype == dtype and torch.equal(native, layer.dequantize(dtype))
+
+
+def untiled_q8(tiles: torch.Tensor, k: int) -> torch.Tensor:
+    """The weight [N, K] rebuilt from Q8 tiles as the layout promises (quantized_gemv.cpp): code * d in float32."""
+    blocks = tiles.view(tiles.shape[0], k // 32, 576)
+    d = blocks[..., :64].contiguous().view(torch.float32)  # [tiles, blocks, 16 rows]
+    lanes = blocks[..., 64:].reshape(tiles.shape[0], k // 32, 8, 16, 4)  # (tile, block, group, row, column)
+    codes = (lanes.to(torch.int16) - 128).permute(0, 3, 1, 2, 4).reshape(tiles.shape[0] * 16, k // 32, 32).float()
+    return (codes * d.permute(0, 2, 1).reshape(-1, k // 32, 1)).view(-1, k)
+
+
+def q8_kernel_inputs(m: int, k: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
+    x[0, :32] = 0  # an all-zero block has scale 0
+    x[-1, -32:] = 3.0  # every activation code 127 against the extreme weight codes
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [32, 576, 1536])
+def test_q8_tiles_hold_every_value(k):
+    layer = Q8Linear(random_q8_groups(48, k, 32, with_mins=False, seed=k), k)
+    assert layer.can_tile and layer.unread_buffers == ()
+    layer.tile()
+    assert layer.tiles.shape == (3, k // 32 * 576) and layer.unread_buffers == ("weight", "scales")
+    assert torch.equal(untiled_q8(layer.tiles, k), layer.dequantize())
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [*ROWS, 130])  # 130: two panels of rows (128 each)
+@pytest.mark.parametrize("k", [32, 576, 1536])
+def test_q8_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
+    weight = random_q8_groups(80, k, 32, with_mins=False, seed=m)  # 5 tiles: a group of 4 and one more
+    x = q8_kernel_inputs(m, k)
+    y = quantized_gemv().q8_tiles_matmul(x, quantized_gemv().q8_tile(weight.codes, weight.scales))
+    assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
+                         ids=["avx2", "avx2-without-vnni", "plain"])
+def test_narrower_builds_of_the_q8_tiles_kernel_compute_the_same_sums(tmp_path, flags):
+    weight = random_q8_groups(48, 576, 32, with_mins=False, seed=0)
+    xs = [q8_kernel_inputs(m, 576) for m in (1, 5)]
+    ys = narrow_build_q8_tiles_outputs(tmp_path, flags, xs, weight.codes, weight.scales)
+    for x, y in zip(xs, ys):
+        assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, quantization.Q8_DEQUANTIZE_FROM_ROWS + 1])
+def test_tiled_q8_linear_computes_the_kernels_sums_at_every_batch_size(rows):
+    layer = Q8Linear(random_q8_groups(208, 128, 32, with_mins=False, seed=rows), in_features=100,
+                     bias=torch.randn(208))  # 28 appended columns, ignored
+    x = torch.randn(2, rows, 100, generator=torch.Generator().manual_seed(rows))
+    untiled = layer(x)
+    layer.tile()
+    y = layer(x)
+    assert y.shape == (2, rows, 208) and layer.tiles is not None
+    ref = quantize_rows_like_q8(F.pad(x.reshape(-1, 100), (0, 28))).double() @ layer.dequantize().double().t()
+    assert_close_to(y.reshape(-1, 208) - layer.bias, ref)
+    if rows < quantization.Q8_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the untiled kernel
+        torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
+
+
+@pytest.mark.parametrize("n, group_size, with_mins", [(64, 32, True), (64, 16, False), (200, 32, False)])
+def test_q8_linear_tiles_only_symmetric_groups_of_32_and_whole_tiles(n, group_size, with_mins):
+    layer = Q8Linear(random_q8_groups(n, 64, group_size, with_mins, seed=0), 64)
+    layer.tile()
+    assert not layer.can_tile and layer.tiles is None
 
 
 @pytest.mark.parametrize("rows", [1, 6, quantization.Q8_DEQUANTIZE_FROM_ROWS + 1])  # the last: dense GEMM

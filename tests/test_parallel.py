@@ -173,8 +173,8 @@ def test_pipeline_with_int4_weights_and_int8_kv_cache_matches_one_process():
         assert all(a.k_cache.dtype == torch.int8 and a.k_scale is not None for a in model.attention_layers)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     # bfloat16 activations: the same kernels on other thread counts round differently in the last bits, and a stage
-    # whose int4 weights the warm-up has tiled (eager steps) or not (compiled decode) adds the same integer sums in
-    # another order: log-probabilities move by up to about 0.1
+    # whose int4 weights the warm-up has tiled or not yet adds the same integer sums in another order:
+    # log-probabilities move by up to about 0.1
     for ref, out in zip(reference, outputs):
         ref, out = ref.outputs[0], out.outputs[0]
         clear = next((i for i, step in enumerate(ref.logprobs) if top2_gap(step) < 0.2), len(ref.logprobs))

@@ -93,8 +93,8 @@ def quantized_gemv():
     """The `torch.ops.inferno` namespace holding `int8_group_matmul` (float32 rows times group-wise int8 weights),
     `int8_group_dequantize`, `int8_q8_matmul` / `int4_q8_matmul` (rows quantized to int8 times signed int8 groups
     of 16 or 32 / group-wise int4) and their float32 / bfloat16 dequantizers `int8_q8_dequantize` /
-    `int4_dequantize`, and the int4 tiles `int4_tile` / `int4_tiles_matmul` (see quantized_gemv.cpp), or None when
-    they cannot be built."""
+    `int4_dequantize`, and the int4 and Q8 tiles `int4_tile` / `int4_tiles_matmul` / `q8_tile` / `q8_tiles_matmul`
+    (see quantized_gemv.cpp), or None when they cannot be built."""
     if not _build("inferno_quantized_gemv", ("quantized_gemv.cpp",), "using dequantize + F.linear",
                   ("-ffp-contract=fast",)):
         return None
@@ -125,6 +125,10 @@ def quantized_gemv():
 
     @torch.library.register_fake("inferno::int4_tiles_matmul")
     def _(x, tiles, zero_points=False):
+        return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
+
+    @torch.library.register_fake("inferno::q8_tiles_matmul")
+    def _(x, tiles):
         return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
 
     return torch.ops.inferno

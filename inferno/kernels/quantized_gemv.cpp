@@ -695,6 +695,171 @@ at::Tensor int4_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles, bool 
       X_BLOCK);
 }
 
+// ---- Q8 tiles: signed int8 codes with a float32 scale per group of 32 (Q8_0, and Q5_0 as Q8Groups; no mins)
+// regrouped, losslessly, with weight rows in vector lanes (as int4_tile's) ----
+// Per block of 32 columns of a tile of 16 rows, Q8_TILE_BLOCK_BYTES bytes (9 bits per weight, as the codes and
+// scales): the rows' scales d (float32), then the codes plus 128 (uint8) in 8 groups of 4 columns, 64 bytes each:
+// byte 4 r + c of group g holds row r's code of column 4 g + c. With VNNI one instruction adds 4 products
+// (q + 128) xq to each of 16 rows' lanes, and per block of a row
+//   sum w x = d xs * (sum (q + 128) xq) - 128 d * (sum of the block's rounded x)
+// (as the int4 tiles' min term); without VNNI, maddubs takes |q| times xq with q's sign (as llama.cpp does:
+// 2 * 128 * 127 < 2^15), widened per vector, and sum w x = d xs * (sum q xq).
+constexpr int64_t Q8_TILE_BLOCK_BYTES = 576;
+constexpr int64_t Q8_TILE_CODES = 64;  // byte offset in a tile block
+
+// codes [N, K] int8 (N a multiple of 16, K of 32), scales [N, K / 32] float32 -> tiles [N / 16, K / 32 * 576] uint8
+at::Tensor q8_tile(const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+              codes.size(1) % X_BLOCK == 0, "codes must be 2-D, int8, contiguous, a multiple of 32 columns");
+  const int64_t n = codes.size(0), k = codes.size(1), blocks = k / X_BLOCK;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == n && scales.size(1) == blocks, "scales must be float32 [", n, ", ", blocks, "]");
+  TORCH_CHECK(n % TILE_ROWS == 0, "Q8 tiles take a multiple of ", TILE_ROWS, " rows, got ", n);
+  auto tiles = at::empty({n / TILE_ROWS, blocks * Q8_TILE_BLOCK_BYTES}, codes.options().dtype(at::kByte));
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  uint8_t* tp = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, n / TILE_ROWS, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r = 0; r < TILE_ROWS; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t row = t * TILE_ROWS + r;
+          const int8_t* c = cp + row * k + b * X_BLOCK;
+          uint8_t* out = tp + (t * blocks + b) * Q8_TILE_BLOCK_BYTES;
+          std::memcpy(out + 4 * r, sp + row * blocks + b, 4);
+          for (int64_t i = 0; i < X_BLOCK; ++i)
+            out[Q8_TILE_CODES + 64 * (i / 4) + 4 * r + i % 4] = static_cast<uint8_t>(c[i] ^ 0x80);  // q + 128
+        }
+  });
+  return tiles;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t Q8_TILE_ROW_BLOCK = 8;
+
+// One tile's 16 outputs for R rows of x (from row r0), blocks [s0, s1): per block and row of x, 8 VNNI instructions,
+// then a float multiply-add with d times the block's xs and one with -128 d times its sum. Added to y unless `first`.
+template <int64_t R>
+void q8_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+                  bool first) {
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * Q8_TILE_BLOCK_BYTES;
+    for (int64_t line = 0; line < Q8_TILE_BLOCK_BYTES; line += 64)  // a decode step streams the weights
+      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * X_BLOCK;  // row r's codes at xc + r * X_BLOCK
+    const float *xs = x.scales.data() + at, *xm = x.sums.data() + at;
+    __m512i dots[R];
+    for (int64_t r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < 8; ++g) {
+      const __m512i codes = _mm512_loadu_si512(b + Q8_TILE_CODES + 64 * g);
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t xq;
+        std::memcpy(&xq, xc + r * X_BLOCK + 4 * g, 4);
+        dots[r] = _mm512_dpbusd_epi32(dots[r], codes, _mm512_set1_epi32(xq));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(b)), offset = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xm[r]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) add_partial(y + (r0 + r) * n, acc[r], first);
+}
+#elif defined(__AVX2__)
+constexpr int64_t Q8_TILE_ROW_BLOCK = 4;
+
+// q8_tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1)
+template <int64_t R>
+void q8_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+                  bool first) {
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * Q8_TILE_BLOCK_BYTES;
+    for (int64_t line = 0; line < Q8_TILE_BLOCK_BYTES; line += 64)  // a decode step streams the weights
+      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * X_BLOCK;
+    const float* xs = x.scales.data() + at;
+    for (int64_t h = 0; h < 2; ++h) {
+      __m256i dots[R];
+      for (int64_t r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
+#if !defined(__AVXVNNI__)
+#pragma GCC unroll 1  // unrolled, GCC spills: 115 GMAC/s instead of 165 (LM head of SmolLM2, 32 rows)
+#endif
+      for (int64_t g = 0; g < 8; ++g) {
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + Q8_TILE_CODES + 64 * g + 32 * h));
+#if defined(__AVXVNNI__)
+        for (int64_t r = 0; r < R; ++r) {
+          int32_t xq;
+          std::memcpy(&xq, xc + r * X_BLOCK + 4 * g, 4);
+          dots[r] = _mm256_dpbusd_avx_epi32(dots[r], codes, _mm256_set1_epi32(xq));
+        }
+#else
+        const __m256i q = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
+        const __m256i magnitudes = _mm256_sign_epi8(q, q);
+        for (int64_t r = 0; r < R; ++r) {
+          int32_t xq;
+          std::memcpy(&xq, xc + r * X_BLOCK + 4 * g, 4);
+          const __m256i x_signed = _mm256_sign_epi8(_mm256_set1_epi32(xq), q);
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, x_signed),
+                                                                _mm256_set1_epi16(1)));
+        }
+#endif
+      }
+      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(b) + 8 * h);
+      for (int64_t r = 0; r < R; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(d, _mm256_set1_ps(xs[r])), acc[r][h]);
+#if defined(__AVXVNNI__)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(-128.f)), _mm256_set1_ps(x.sums[at + r]), acc[r][h]);
+#endif
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < 2; ++h) add_partial(y + (r0 + r) * n + 8 * h, acc[r][h], first);
+}
+#else
+constexpr int64_t Q8_TILE_ROW_BLOCK = 1;
+
+template <int64_t R>
+void q8_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+                  bool first) {
+  static_assert(R == 1);
+  float acc[TILE_ROWS] = {};
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* b = tile + s * Q8_TILE_BLOCK_BYTES;
+    const int64_t at = x.at(r0, s);
+    const int8_t* xc = x.codes.data() + at * X_BLOCK;
+    int32_t dots[TILE_ROWS] = {};
+    for (int64_t lane = 0; lane < 8 * 64; ++lane) {
+      const int64_t g = lane / 64, row = lane % 64 / 4, column = 4 * g + lane % 4;
+      dots[row] += (int32_t{b[Q8_TILE_CODES + lane]} - 128) * xc[column];
+    }
+    for (int64_t row = 0; row < TILE_ROWS; ++row) {
+      float d;
+      std::memcpy(&d, b + 4 * row, 4);
+      acc[row] += static_cast<float>(dots[row]) * (d * x.scales[at]);
+    }
+  }
+  for (int64_t row = 0; row < TILE_ROWS; ++row) add_partial(y + r0 * n + row, acc[row], first);
+}
+#endif
+
+// x [M, K] float32; tiles [N / 16, K / 32 * 576] uint8 (q8_tile) -> [M, N] float32, the sums of int8_q8_matmul
+at::Tensor q8_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
+  return tiles_matmul<Q8_TILE_ROW_BLOCK>(
+      x, tiles, Q8_TILE_BLOCK_BYTES, "Q8", false,
+      [](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
+         bool first) { q8_tile_rows<decltype(rows)::value>(rx, r, tile, y, n, s0, s1, first); },
+      X_BLOCK);
+}
+
 // ---- signed int8 groups of 16 or 32 (Q8Groups) times activations quantized to int8 per block of 32 ----
 //   sum_k w x = sum_b xs_b * sum_{g in b} s_g * (sum_{k in g} c xq) + sum_g min_g * sum_{k in g} x
 // One x block holds one group of 32 or two of 16. The AVX-512 kernel above runs symmetric groups of 32 (Q8_0);
@@ -925,6 +1090,8 @@ TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("int8_q8_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group_size, ScalarType dtype) -> Tensor");
   m.def("int4_tile(Tensor packed, int k, int group_size) -> Tensor");
   m.def("int4_tiles_matmul(Tensor x, Tensor tiles, bool zero_points=False) -> Tensor");
+  m.def("q8_tile(Tensor codes, Tensor scales) -> Tensor");
+  m.def("q8_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
@@ -936,4 +1103,6 @@ TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("int8_q8_dequantize", &int8_q8_dequantize);
   m.impl("int4_tile", &int4_tile);
   m.impl("int4_tiles_matmul", &int4_tiles_matmul);
+  m.impl("q8_tile", &q8_tile);
+  m.impl("q8_tiles_matmul", &q8_tiles_matmul);
 }

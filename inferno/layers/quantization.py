@@ -288,7 +288,9 @@ class Q8Linear(nn.Module):
     (`Q8Groups`: the GGUF Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks hold exactly), times activations quantized to
     int8 per block of 32, as llama.cpp computes: the integer dot products of the native `inferno::int8_q8_matmul`
     up to Q8_DEQUANTIZE_FROM_ROWS rows, dequantize-then-GEMM in COMPUTE_DTYPE beyond that or without the native
-    kernels. Also the LM head of the int4 and per-channel int8 models (symmetric groups of 32)."""
+    kernels. Also the LM head of the int4 and per-channel int8 models (symmetric groups of 32). Symmetric groups of
+    32 (Q8_0, Q5_0, the LM heads) can be regrouped into tiles of 16 rows (`tile`, every value kept;
+    `inferno::q8_tiles_matmul`), which then run every batch size with the same integer sums."""
 
     def __init__(self, weight: Q8Groups, in_features: int, bias: torch.Tensor | None = None):
         """`weight` may have columns appended beyond `in_features` (up to a multiple of 32): inputs are zero-padded
@@ -303,7 +305,22 @@ class Q8Linear(nn.Module):
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("mins", None if weight.mins is None else weight.mins.float().contiguous())
         self.register_buffer("bias", bias)
+        self.register_buffer("tiles", None)
         self.native = quantized_gemv() is not None
+
+    @property
+    def can_tile(self) -> bool:
+        return self.native and self.group_size == 32 and self.mins is None and self.out_features % TILE_ROWS == 0
+
+    def tile(self) -> None:
+        """Regroup the weight into tiles (the model runner's warm-up does it, before it compiles the decode step: see
+        SuperBlockLinear.tile). The codes and scales stay for `dequantize`; the forward no longer reads them."""
+        if self.can_tile and self.tiles is None:
+            self.tiles = torch.ops.inferno.q8_tile(self.weight, self.scales)
+
+    @property
+    def unread_buffers(self) -> tuple[str, ...]:
+        return () if self.tiles is None else ("weight", "scales")
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> "Q8Linear":
@@ -325,7 +342,10 @@ class Q8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.padded_in_features != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
-        if self.native and x2.shape[0] < Q8_DEQUANTIZE_FROM_ROWS:
+        tiles = self.tiles  # once: the warm-up thread may set it meanwhile
+        if tiles is not None:
+            y = torch.ops.inferno.q8_tiles_matmul(x2.float().contiguous(), tiles)
+        elif self.native and x2.shape[0] < Q8_DEQUANTIZE_FROM_ROWS:
             y = torch.ops.inferno.int8_q8_matmul(x2.float().contiguous(), self.weight, self.scales, self.mins,
                                                  self.group_size)
         else:
@@ -373,11 +393,8 @@ class Int4Linear(nn.Module):
         return self.native and self.out_features % TILE_ROWS == 0
 
     def tile(self) -> None:
-        """Regroup the weight into tiles (the model runner's warm-up does it: see SuperBlockLinear.tile). The packed
-        rows stay for `dequantize`. The warm-up tiles int4 weights after it compiles the decode step, whose graph then
-        keeps the packed rows' kernel: with `int4_tiles_matmul` in it, the compiled graph (inductor's cpp_wrapper)
-        corrupted the heap on SmolLM2-135M (a malloc abort in its first run; eager, the same graph through the Python
-        wrapper and an AddressSanitizer build of the kernels ran clean). Not understood yet."""
+        """Regroup the weight into tiles (the model runner's warm-up does it, before it compiles the decode step: see
+        SuperBlockLinear.tile). The packed rows stay for `dequantize`; the forward no longer reads them."""
         if self.can_tile and self.tiles is None:
             self.tiles = torch.ops.inferno.int4_tile(self.weight, self.padded_in_features, self.group_size)
 

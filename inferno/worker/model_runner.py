@@ -15,7 +15,7 @@ from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
-from inferno.layers.quantization import Int4Linear
+from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.model.llama import LlamaForCausalLM
@@ -129,19 +129,18 @@ class ModelRunner:
         lower_thread_priority()
         self.first_step_done.wait(WARM_UP_DELAY)
         if self.device.type == "cpu":
-            self._tile_weights((SuperBlockLinear,))  # first: the compiled graphs run the tiles
+            self._tile_weights((SuperBlockLinear, Int4Linear, Q8Linear))  # first: the compiled graphs run the tiles
         if compile_decode:
             self._compile_decode_step()
         if self.device.type == "cpu":
-            self._tile_weights((Int4Linear,))  # after: see Int4Linear.tile
             try:
                 move_weights_to_huge_pages(self.model)
             except Exception:  # an optimisation: serving goes on from the pages the weights are on
                 logger.exception("moving the weights onto huge pages failed; they stay where they are")
 
     def _tile_weights(self, kinds: tuple[type, ...]) -> None:
-        """Regroup the quantized weights of `kinds` that have tiles (`SuperBlockLinear.tile`, `Int4Linear.tile`),
-        unless the copies would take over half the memory available."""
+        """Regroup the quantized weights of `kinds` that have tiles (`SuperBlockLinear.tile`, `Int4Linear.tile`,
+        `Q8Linear.tile`), unless the copies would take over half the memory available."""
         layers = [m for m in self.model.modules() if isinstance(m, kinds) and m.can_tile]
         size = sum(m.weight.nbytes for m in layers)
         if not layers or size > available_memory() // 2:
