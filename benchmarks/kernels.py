@@ -23,7 +23,8 @@ replaces the `tiles` section of --output.
 
 --int4-tiles instead: SmolLM2-135M's int4 projections (qkv, gate/up, down; groups of 32) as the packed rows
 (`int4_q8_matmul`), as the tiles the warm-up regroups them into (`int4_tiles_matmul`) and dequantized for the dense
-GEMM: GMAC/s per row count; the table replaces the `int4-tiles` section of --output.
+GEMM, and its Q8_0 LM head likewise (`int8_q8_matmul`, `q8_tiles_matmul`): GMAC/s per row count; the table
+replaces the `int4-tiles` section of --output.
 """
 import argparse
 import platform
@@ -308,6 +309,20 @@ def int4_tiles_table(rows: list[int], repeats: int) -> str:
             lines.append(f"| {name} {n} × {k} | {m} | {macs / stored:.0f} | {macs / tiled:.0f} | "
                          f"{'–' if dense is None else f'{macs / dense:.0f}'} | {stored / tiled:.2f}× |")
             print(lines[-1], flush=True)
+    n, k = 49152, 576  # the LM head: Q8_0 (symmetric int8 groups of 32) as codes and scales, and as Q8 tiles
+    head = quantize_q8_symmetric(torch.randn(n, k, generator=g), 32)
+    tiles = ops.q8_tile(head.codes, head.scales)
+    for m in rows:
+        x, macs = torch.randn(m, k), m * n * k / 1e9
+        stored = median_time(lambda: ops.int8_q8_matmul(x, head.codes, head.scales, None, 32), repeats)
+        tiled = median_time(lambda: ops.q8_tiles_matmul(x, tiles), repeats)
+        xd = x.to(COMPUTE_DTYPE)
+        dense = (median_time(lambda: F.linear(xd, ops.int8_q8_dequantize(head.codes, head.scales, None, 32,
+                                                                          COMPUTE_DTYPE)), repeats)
+                 if m >= 32 else None)
+        lines.append(f"| LM head (Q8) {n} × {k} | {m} | {macs / stored:.0f} | {macs / tiled:.0f} | "
+                     f"{'–' if dense is None else f'{macs / dense:.0f}'} | {stored / tiled:.2f}× |")
+        print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -339,7 +354,7 @@ def main() -> None:
                    help="instead: ms per decode step of these models' projections, kernel against dense")
     p.add_argument("--q6-k", action="store_true", help="instead: Q6_K as Q8 groups of 16 against as stored")
     p.add_argument("--tiles", action="store_true", help="instead: Q4_K / Q6_K as stored, as tiles and dense")
-    p.add_argument("--int4-tiles", action="store_true", help="instead: int4 as packed rows, as tiles and dense")
+    p.add_argument("--int4-tiles", action="store_true", help="instead: int4 and Q8 as packed rows, as tiles and dense")
     p.add_argument("--kinds", nargs="+", default=["int4", "q8_0", "q5_k", "q6_k", "q6_k_blocks", "int8-group"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--no-dense", action="store_true", help="skip the dequantize + GEMM column")
@@ -367,9 +382,9 @@ def main() -> None:
         return
     if args.int4_tiles:
         write_tiles_report(args, "int4-tiles",
-                           "int4 tiles against the packed rows (`benchmarks/kernels.py --int4-tiles`)",
+                           "int4 and Q8 tiles against the packed rows (`benchmarks/kernels.py --int4-tiles`)",
                            "SmolLM2-135M's int4 projections (groups of 32), random data, cycling over 30 copies (a "
-                           "decode step's weights come from memory)", int4_tiles_table)
+                           "decode step's weights come from memory), and its Q8_0 LM head", int4_tiles_table)
         return
     if args.projections is not None:
         print(projections_table(args.projections or list(MODELS), args.kinds, args.rows, args.repeats,

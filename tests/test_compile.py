@@ -14,7 +14,8 @@ from inferno.kernels import paged_attention, q4_k_gemv
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
-from inferno.worker.model_runner import ModelRunner
+from inferno.cpu_features import cpu_flags
+from inferno.worker.model_runner import ModelRunner, vector_width_option
 from tiny_gguf import T, write_tiny_gguf
 from tiny_models import write_hf_model
 
@@ -86,6 +87,16 @@ def test_compiled_decode_runs_the_tiles_the_warm_up_made(tmp_path, qtype, layer_
     for prompts in (PROMPTS[:1], PROMPTS):
         for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):
             assert_same_tokens(ref, out, 0.15)  # bfloat16 activations (dtype auto)
+
+
+@pytest.mark.skipif("avx2" not in cpu_flags(), reason="an x86 CPU with AVX2")
+def test_the_compile_options_name_the_vector_width_that_the_cache_key_lacks(monkeypatch):
+    """Inductor picks 256-bit vectors under ATEN_CPU_CAPABILITY=avx2 and the CPU's widest otherwise, but its compile
+    cache does not key on that choice: the options name it, so the two never share a compiled graph."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert vector_width_option() == {"cpp.simdlen": 256}
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert vector_width_option() == {"cpp.simdlen": 512 if "avx512f" in cpu_flags() else 256}
 
 
 def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monkeypatch):

@@ -230,7 +230,7 @@ class ModelRunner:
         shared is dynamo's compile stance (process-wide): DYNAMO_STANCE keeps it to one thread at a time."""
         compiled = torch.compile(with_own_code(self._decode_forward), dynamic=None, options={
             "guard_filter_fn": skip_module_and_global_guards, "emulate_precision_casts": True,
-            "cpp_wrapper": True})
+            "cpp_wrapper": True, **vector_width_option()})
         start = time.perf_counter()
         try:
             with DYNAMO_STANCE, torch.inference_mode():
@@ -314,6 +314,16 @@ class ModelRunner:
         emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
         for req, tokens in zip(plan.spec_requests, emitted):
             out.sampled_token_ids[req.request_id] = tokens
+
+
+def vector_width_option() -> dict[str, int]:
+    """Inductor's vector width for CPU code, as it would pick it (ATEN_CPU_CAPABILITY, else the CPU's widest), set
+    explicitly: its compile cache is keyed by its configuration but not by that choice, so a process capped at AVX2
+    (INFERNO_CPU_ISA=avx2 with PyTorch's caps) and one that is not shared entries, and an AVX-512 process that loaded
+    a graph compiled for 256-bit vectors corrupted its heap (a malloc abort in the first compiled step)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    width = pick_vec_isa().bit_width()
+    return {"cpp.simdlen": width} if width else {}
 
 
 def skip_module_and_global_guards(entries: list) -> list[bool]:
