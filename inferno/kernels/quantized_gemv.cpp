@@ -786,6 +786,9 @@ void q8_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, 
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * X_BLOCK;
     const float* xs = x.scales.data() + at;
+#if defined(__AVXVNNI__)
+    const float* xm = x.sums.data() + at;
+#endif
     for (int64_t h = 0; h < 2; ++h) {
       __m256i dots[R];
       for (int64_t r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
@@ -813,12 +816,12 @@ void q8_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, 
 #endif
       }
       const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(b) + 8 * h);
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < R; ++r)
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(d, _mm256_set1_ps(xs[r])), acc[r][h]);
-#if defined(__AVXVNNI__)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(-128.f)), _mm256_set1_ps(x.sums[at + r]), acc[r][h]);
+#if defined(__AVXVNNI__)  // the codes' + 128 taken back
+      const __m256 offset = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+      for (int64_t r = 0; r < R; ++r) acc[r][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xm[r]), acc[r][h]);
 #endif
-      }
     }
   }
   for (int64_t r = 0; r < R; ++r)
