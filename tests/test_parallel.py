@@ -160,11 +160,14 @@ def test_draft_model_speculation_with_parallelism_matches_plain_decoding(llm, mo
 def test_pipeline_with_int4_weights_and_int8_kv_cache_matches_one_process():
     """Each stage loads and quantizes only its own layers, with its layers' KV cache in int8."""
     quantized = dict(quantization="int4", kv_cache_dtype="int8", kv_cache_memory=16 << 20)
-    single = LLM(**quantized)
+    single = LLM(**quantized, enforce_eager=True)  # eager, as the stages' steps
+    single.llm_engine.model_runner.wait_for_warm_up()  # its int4 weights tiled, as the stages' will be
     prompts = [PROMPTS[0], "Hello, my name is"]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     reference = single.generate(prompts, params, use_tqdm=False)
     with parallel_llm(pipeline_parallel_size=2, **quantized) as llm:
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # starts every rank's warm-up
+        llm.llm_engine.model_runner.wait_for_warm_up()  # this rank's tiles; the other rank tiles its half alike
         model = llm.llm_engine.model_runner.model
         assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks
         assert isinstance(model.lm_head, Q8Linear)
@@ -172,12 +175,10 @@ def test_pipeline_with_int4_weights_and_int8_kv_cache_matches_one_process():
         assert len(model.stage_layers) < single.llm_engine.model_config.num_hidden_layers
         assert all(a.k_cache.dtype == torch.int8 and a.k_scale is not None for a in model.attention_layers)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    # bfloat16 activations: the same kernels on other thread counts round differently in the last bits, and a stage
-    # whose int4 weights the warm-up has tiled or not yet adds the same integer sums in another order:
-    # log-probabilities move by up to about 0.1
+    # bfloat16 activations: the same kernels on other thread counts may round differently in the last bits
     for ref, out in zip(reference, outputs):
         ref, out = ref.outputs[0], out.outputs[0]
-        clear = next((i for i, step in enumerate(ref.logprobs) if top2_gap(step) < 0.2), len(ref.logprobs))
+        clear = next((i for i, step in enumerate(ref.logprobs) if top2_gap(step) < 0.05), len(ref.logprobs))
         assert clear >= 3, "reference has an early near-tie; pick another prompt"
         assert out.token_ids[:clear] == ref.token_ids[:clear]
 
