@@ -129,7 +129,7 @@ def test_quantized_checkpoint_loads_its_integers_and_matches_hf(tmp_path, monkey
     hf_model, stored = write_quantized_llama(tmp_path, method, group_size)
     # no int4 tiles: their kernel (int8 activations, as the packed rows' kernel) would replace the dense float32 path
     # that the greedy tokens below are compared on
-    monkeypatch.setattr(ModelRunner, "_tile_weights", lambda self, kinds: None)
+    monkeypatch.setattr(ModelRunner, "_tile_weights", lambda self: None)
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=8 << 20)  # quantization "auto"
     model = llm.llm_engine.model_runner.model
     config = hf_model.config

@@ -20,6 +20,9 @@ from narrow_builds import narrow_build_int4_tiles_outputs, narrow_build_q8_tiles
 
 needs_kernel = pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17]
+NARROW_BUILDS = pytest.mark.parametrize(  # the kernel files' AVX2 (with and without AVX-VNNI) and plain paths
+    "flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
+    ids=["avx2", "avx2-without-vnni", "plain"])
 
 
 def quantize_rows_like_q8(x: torch.Tensor) -> torch.Tensor:
@@ -177,8 +180,7 @@ def test_int4_tiles_kernel_matches_the_sums_it_promises(m, k, group_size, zero_p
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
-                         ids=["avx2", "avx2-without-vnni", "plain"])
+@NARROW_BUILDS
 def test_narrower_builds_of_the_int4_tiles_kernel_compute_the_same_sums(tmp_path, flags):
     layer = int4_layer(48, 704, 64, zero_points=True, seed=0)
     xs = [int4_kernel_inputs(m, 704) for m in (1, 5)]
@@ -257,8 +259,7 @@ def test_q8_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
-                         ids=["avx2", "avx2-without-vnni", "plain"])
+@NARROW_BUILDS
 def test_narrower_builds_of_the_q8_tiles_kernel_compute_the_same_sums(tmp_path, flags):
     weight = random_q8_groups(48, 576, 32, with_mins=False, seed=0)
     xs = [q8_kernel_inputs(m, 576) for m in (1, 5)]

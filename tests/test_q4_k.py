@@ -243,7 +243,7 @@ def test_the_warm_up_tiles_the_engines_4_bit_weights_without_changing_a_token(tm
     the stored blocks are no longer among the weights moved onto huge pages."""
     release = threading.Event()
     tile_weights = ModelRunner._tile_weights
-    monkeypatch.setattr(ModelRunner, "_tile_weights", lambda self, kinds: (release.wait(), tile_weights(self, kinds)))
+    monkeypatch.setattr(ModelRunner, "_tile_weights", lambda self: (release.wait(), tile_weights(self)))
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]

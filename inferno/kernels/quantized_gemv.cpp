@@ -595,8 +595,7 @@ void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * INT4_TILE_BLOCK_BYTES;
-    for (int64_t line = 0; line < INT4_TILE_BLOCK_BYTES; line += 64)  // a decode step streams the weights
-      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_ahead(b, INT4_TILE_BLOCK_BYTES);  // a decode step streams the weights
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * X_BLOCK;  // row r's codes at xc + r * X_BLOCK
     const float *xs = x.scales.data() + at, *xm = x.sums.data() + at;
@@ -635,8 +634,7 @@ void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * INT4_TILE_BLOCK_BYTES;
-    for (int64_t line = 0; line < INT4_TILE_BLOCK_BYTES; line += 64)  // a decode step streams the weights
-      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_ahead(b, INT4_TILE_BLOCK_BYTES);  // a decode step streams the weights
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * X_BLOCK;
     const float *xs = x.scales.data() + at, *xm = x.sums.data() + at;
@@ -746,8 +744,7 @@ void q8_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, 
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * Q8_TILE_BLOCK_BYTES;
-    for (int64_t line = 0; line < Q8_TILE_BLOCK_BYTES; line += 64)  // a decode step streams the weights
-      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_ahead(b, Q8_TILE_BLOCK_BYTES);  // a decode step streams the weights
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * X_BLOCK;  // row r's codes at xc + r * X_BLOCK
     const float *xs = x.scales.data() + at, *xm = x.sums.data() + at;
@@ -781,8 +778,7 @@ void q8_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, 
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = tile + s * Q8_TILE_BLOCK_BYTES;
-    for (int64_t line = 0; line < Q8_TILE_BLOCK_BYTES; line += 64)  // a decode step streams the weights
-      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
+    prefetch_ahead(b, Q8_TILE_BLOCK_BYTES);  // a decode step streams the weights
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * X_BLOCK;
     const float* xs = x.scales.data() + at;

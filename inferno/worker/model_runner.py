@@ -129,7 +129,7 @@ class ModelRunner:
         lower_thread_priority()
         self.first_step_done.wait(WARM_UP_DELAY)
         if self.device.type == "cpu":
-            self._tile_weights((SuperBlockLinear, Int4Linear, Q8Linear))  # first: the compiled graphs run the tiles
+            self._tile_weights()  # first: the compiled graphs run the tiles
         if compile_decode:
             self._compile_decode_step()
         if self.device.type == "cpu":
@@ -138,10 +138,11 @@ class ModelRunner:
             except Exception:  # an optimisation: serving goes on from the pages the weights are on
                 logger.exception("moving the weights onto huge pages failed; they stay where they are")
 
-    def _tile_weights(self, kinds: tuple[type, ...]) -> None:
-        """Regroup the quantized weights of `kinds` that have tiles (`SuperBlockLinear.tile`, `Int4Linear.tile`,
+    def _tile_weights(self) -> None:
+        """Regroup the quantized weights that have tiles (`SuperBlockLinear.tile`, `Int4Linear.tile`,
         `Q8Linear.tile`), unless the copies would take over half the memory available."""
-        layers = [m for m in self.model.modules() if isinstance(m, kinds) and m.can_tile]
+        layers = [m for m in self.model.modules() if isinstance(m, (SuperBlockLinear, Int4Linear, Q8Linear))
+                  and m.can_tile]
         size = sum(m.weight.nbytes for m in layers)
         if not layers or size > available_memory() // 2:
             if layers:
