@@ -372,14 +372,34 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
 #elif defined(__AVX2__)
 constexpr int64_t TILE_ROW_BLOCK = 4;
 
-// tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1), one half after the other
-// (4 rows of x then keep their sums in registers). Without AVX-VNNI, a scale group's 4 vectors of products are
-// summed in 16 bits: maddubs of |q - 32| with x signed as q - 32 gives pairs of at most 2 * 32 * 127, and 4 of them
-// fit (32512 < 2^15), so one widening per group instead of one per vector, and no starts.
+// Vectors 2p and 2p + 1 of scale group g's codes (q in [0, 63], as the AVX-512 path makes them) of weight rows
+// 8h .. 8h + 7: a nibble of TILE_LOW and two bits of TILE_HIGH each.
+inline void code_pair(const uint8_t* b, int64_t g, int64_t h, int64_t p, __m256i& even, __m256i& odd) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + TILE_LOW + 128 * g + 64 * p + 32 * h));
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + TILE_HIGH + 64 * g + 32 * h));
+  even = _mm256_or_si256(_mm256_and_si256(low, low4),
+                         _mm256_and_si256(p ? high : _mm256_slli_epi16(high, 4), high2));
+  odd = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), low4),
+                        _mm256_and_si256(p ? _mm256_srli_epi16(high, 2) : _mm256_slli_epi16(high, 2), high2));
+}
+
+// Two vectors of codes times 4 codes of x each, added to an int32 sum: with AVX-VNNI two instructions; without,
+// maddubs' pairs of the two summed in 16 bits (2 * 2 * 63 * 127 < 2^15) and widened once.
+inline __m256i add_pair_dots(__m256i dot, __m256i even, __m256i odd, __m256i x_even, __m256i x_odd) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(dot, even, x_even), odd, x_odd);
+#else
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(even, x_even), _mm256_maddubs_epi16(odd, x_odd));
+  return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1), both halves per pair of
+// code vectors: each broadcast of 4 codes of x serves both (see add_nibble_group).
 template <int64_t R>
 void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
                bool first) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
   __m256 acc[R][2];
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = s0; s < s1; ++s) {
@@ -388,40 +408,29 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
     const int8_t* xc = x.codes.data() + at * QK_K;
     const float* xs = x.scales.data() + at * (QK_K / X_BLOCK);
     const int32_t* starts = x.starts.data() + at * GROUPS;
-    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))),
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)))};
     for (int64_t g = 0; g < GROUPS; ++g) {
       const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 210 * g;  // a decode step streams the weights: 2 KB ahead
       for (int64_t line = 0; line < 210; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
-      for (int64_t h = 0; h < 2; ++h) {
-        const __m256 ws = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + TILE_SCALES + TILE_ROWS * g + 8 * h)))));
-        auto load = [&](int64_t offset) {
-          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset + 32 * h));
-        };
-        const __m256i low0 = load(TILE_LOW + 128 * g), low1 = load(TILE_LOW + 128 * g + 64), high = load(TILE_HIGH + 64 * g);
-        const __m256i w[4] = {
-            _mm256_or_si256(_mm256_and_si256(low0, low4), _mm256_and_si256(_mm256_slli_epi16(high, 4), high2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), low4), _mm256_and_si256(_mm256_slli_epi16(high, 2), high2)),
-            _mm256_or_si256(_mm256_and_si256(low1, low4), _mm256_and_si256(high, high2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(high, 2), high2))};
+      __m256i dots[R][2];
+      for (int64_t r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm256_set1_epi32(starts[GROUPS * r + g]);
+      for (int64_t p = 0; p < 2; ++p) {
+        __m256i w[2][2];  // [half][even, odd]
+        for (int64_t h = 0; h < 2; ++h) code_pair(b, g, h, p, w[h][0], w[h][1]);
         for (int64_t r = 0; r < R; ++r) {
-          const int8_t* xg = xc + r * QK_K + 16 * g;
-          int32_t xv[4];
-          std::memcpy(xv, xg, 16);
-          __m256i dot = _mm256_set1_epi32(starts[GROUPS * r + g]);
-#if defined(__AVXVNNI__)
-          for (int64_t v = 0; v < 4; ++v) dot = _mm256_dpbusd_avx_epi32(dot, w[v], _mm256_set1_epi32(xv[v]));
-#else  // maddubs' pairs of products of two vectors summed in 16 bits (2 * 2 * 63 * 127 < 2^15), widened once
-          for (int64_t v = 0; v < 4; v += 2) {
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w[v], _mm256_set1_epi32(xv[v])),
-                                                   _mm256_maddubs_epi16(w[v + 1], _mm256_set1_epi32(xv[v + 1])));
-            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-          }
-#endif
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                      _mm256_mul_ps(ws, _mm256_set1_ps(xs[QK_K / X_BLOCK * r + g / 2])), acc[r][h]);
+          int32_t xv[2];
+          std::memcpy(xv, xc + r * QK_K + 16 * g + 8 * p, 8);
+          const __m256i x_even = _mm256_set1_epi32(xv[0]), x_odd = _mm256_set1_epi32(xv[1]);
+          for (int64_t h = 0; h < 2; ++h) dots[r][h] = add_pair_dots(dots[r][h], w[h][0], w[h][1], x_even, x_odd);
+          asm("" : "+x"(dots[r][0]), "+x"(dots[r][1]));  // GCC would hoist the multiplies and spill them
         }
+      }
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256 ws = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h))),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                            reinterpret_cast<const __m128i*>(b + TILE_SCALES + TILE_ROWS * g + 8 * h)))));
+        for (int64_t r = 0; r < R; ++r)
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]),
+                                      _mm256_mul_ps(ws, _mm256_set1_ps(xs[QK_K / X_BLOCK * r + g / 2])), acc[r][h]);
       }
     }
   }

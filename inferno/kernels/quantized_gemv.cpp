@@ -626,7 +626,8 @@ void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y
 #elif defined(__AVX2__)
 constexpr int64_t INT4_TILE_ROW_BLOCK = 4;
 
-// int4_tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1)
+// int4_tile_rows of the AVX-512 path with each vector of 16 lanes as two halves of 8 (h = 0, 1), both halves per group
+// of codes (add_nibble_group)
 template <int64_t R>
 void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
                     bool first, bool zero_points) {
@@ -638,15 +639,14 @@ void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * X_BLOCK;
     const float *xs = x.scales.data() + at, *xm = x.sums.data() + at;
+    NibbleDots dots[R][2];
+    for (int64_t g = 0; g < 4; ++g) add_nibble_group(dots, b + INT4_TILE_CODES + 64 * g, xc + 8 * g, X_BLOCK);
     for (int64_t h = 0; h < 2; ++h) {
-      NibbleDots dots[R];
-#pragma GCC unroll 1  // unrolled, GCC moves the multiplies ahead of the adds and spills their results
-      for (int64_t g = 0; g < 4; ++g) add_nibble_vector(dots, b + INT4_TILE_CODES + 64 * g + 32 * h, xc + 8 * g, X_BLOCK);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
       const __m256 second = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + INT4_TILE_SECONDS + 16 * h)));
       const __m256 min = zero_points ? _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), second), d) : second;
       for (int64_t r = 0; r < R; ++r) {
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r].total()), _mm256_mul_ps(d, _mm256_set1_ps(xs[r])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h].total()), _mm256_mul_ps(d, _mm256_set1_ps(xs[r])), acc[r][h]);
         acc[r][h] = _mm256_fmadd_ps(min, _mm256_set1_ps(xm[r]), acc[r][h]);
       }
     }

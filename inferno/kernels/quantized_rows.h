@@ -175,6 +175,29 @@ inline void add_nibble_vector(NibbleDots (&dots)[R], const uint8_t* codes, const
     dots[r].add(high, _mm256_set1_epi32(x_high));
   }
 }
+
+// A 64-byte group of a tile's codes (two such vectors: weight rows 0-7 and 8-15, h = 0, 1) times R rows of x, added
+// to dots[r][h]: each broadcast of 4 codes of x serves both halves (a broadcast from memory costs a vector
+// instruction here, as a multiply does; sharing it is most of the 256-bit kernels' speed).
+template <int64_t R>
+inline void add_nibble_group(NibbleDots (&dots)[R][2], const uint8_t* codes, const int8_t* x, int64_t x_stride) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32));
+  const __m256i low0 = _mm256_and_si256(v0, low4), high0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+  const __m256i low1 = _mm256_and_si256(v1, low4), high1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+  for (int64_t r = 0; r < R; ++r) {
+    int32_t x_low, x_high;
+    std::memcpy(&x_low, x + r * x_stride, 4);
+    std::memcpy(&x_high, x + r * x_stride + 4, 4);
+    const __m256i xl = _mm256_set1_epi32(x_low), xh = _mm256_set1_epi32(x_high);
+    dots[r][0].add(low0, xl);
+    dots[r][0].add(high0, xh);
+    dots[r][1].add(low1, xl);
+    dots[r][1].add(high1, xh);
+    asm("" : "+x"(dots[r][0].sums), "+x"(dots[r][1].sums));  // GCC would hoist the multiplies and spill them
+  }
+}
 #endif
 
 inline void add_partial(float* y, float partial, bool first) { *y = first ? partial : *y + partial; }
