@@ -193,24 +193,10 @@ struct NibbleDots {
   }
 };
 
-// One 32-byte vector of a tile's codes (8 weight rows x 4 columns as low nibbles, the next 4 columns as high ones)
-// times R rows of x, added to their dots: row r's 8 columns at x + r * x_stride.
-template <int64_t R>
-inline void add_nibble_vector(NibbleDots (&dots)[R], const uint8_t* codes, const int8_t* x, int64_t x_stride) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-  const __m256i low = _mm256_and_si256(v, low4), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-  for (int64_t r = 0; r < R; ++r) {
-    int32_t x_low, x_high;
-    std::memcpy(&x_low, x + r * x_stride, 4);
-    std::memcpy(&x_high, x + r * x_stride + 4, 4);
-    dots[r].add(low, _mm256_set1_epi32(x_low));
-    dots[r].add(high, _mm256_set1_epi32(x_high));
-  }
-}
-
-// A 64-byte group of a tile's codes (two such vectors: weight rows 0-7 and 8-15, h = 0, 1) times R rows of x, added
-// to dots[r][h]: each broadcast of 4 codes of x serves both halves (a broadcast from memory costs a vector
-// instruction here, as a multiply does; sharing it is most of the 256-bit kernels' speed).
+// A 64-byte group of a tile's codes times R rows of x, added to dots[r][h]: its two 32-byte vectors (h = 0, 1) hold
+// weight rows 8h .. 8h + 7, 4 columns each as low nibbles and the next 4 as high ones; row r's 8 columns of x are at
+// x + r * x_stride. Each broadcast of 4 codes of x serves both halves (on Zen 5 a broadcast from memory costs about
+// what a multiply does).
 template <int64_t R>
 inline void add_nibble_group(NibbleDots (&dots)[R][2], const uint8_t* codes, const int8_t* x, int64_t x_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
