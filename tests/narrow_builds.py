@@ -5,10 +5,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import inferno.kernels
 from inferno.cpu_features import cpu_key
+
+# the kernel files' AVX2 (with and without AVX-VNNI) and plain paths, as a test parameter "flags"
+NARROW_BUILDS = pytest.mark.parametrize(
+    "flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
+    ids=["avx2", "avx2-without-vnni", "plain"])
 
 # argv: extension name, sources (comma-separated), flags, a path holding the inputs (then the outputs), the code
 # that computes `outputs` from `inputs` with the build's operators

@@ -16,13 +16,10 @@ from inferno.kernels import extension_name, quantized_gemv
 from inferno.layers import quantization
 from inferno.layers.quantization import (Int4Linear, Q8Groups, Q8Linear, ZeroPointInt4, quantize_int4,
                                          quantize_q8_symmetric)
-from narrow_builds import narrow_build_int4_tiles_outputs, narrow_build_q8_tiles_outputs
+from narrow_builds import NARROW_BUILDS, narrow_build_int4_tiles_outputs, narrow_build_q8_tiles_outputs
 
 needs_kernel = pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17]
-NARROW_BUILDS = pytest.mark.parametrize(  # the kernel files' AVX2 (with and without AVX-VNNI) and plain paths
-    "flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
-    ids=["avx2", "avx2-without-vnni", "plain"])
 
 
 def quantize_rows_like_q8(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
 from inferno.worker.huge_pages import tensor_span, weight_ranges
 from inferno.worker.model_runner import ModelRunner
-from narrow_builds import narrow_build_outputs, narrow_build_tiles_outputs
+from narrow_builds import NARROW_BUILDS, narrow_build_outputs, narrow_build_tiles_outputs
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks, write_tiny_gguf
 
@@ -88,8 +88,7 @@ def test_kernel_matches_float_sums_of_the_quantized_rows(m, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
-                         ids=["avx2", "avx2-without-vnni", "plain"])
+@NARROW_BUILDS
 def test_narrower_builds_compute_the_same_sums(tmp_path, flags):
     """The AVX2 path (with AVX-VNNI where this CPU has it, and without: the maddubs sums of most AVX2 CPUs) and the
     plain loops, built on this CPU without the instructions they must not use (the first build takes about half a
@@ -198,8 +197,7 @@ def test_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
-                         ids=["avx2", "avx2-without-vnni", "plain"])
+@NARROW_BUILDS
 def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, flags):
     xs_raws = [kernel_inputs(m, 48, 1792) for m in (1, 5)]
     raw = xs_raws[0][1]

@@ -10,7 +10,7 @@ import torch
 from inferno.kernels import q6_k_gemv
 from inferno.layers import q6_k
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
-from narrow_builds import narrow_build_outputs, narrow_build_tiles_outputs
+from narrow_builds import NARROW_BUILDS, narrow_build_outputs, narrow_build_tiles_outputs
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks
 
@@ -173,8 +173,7 @@ def test_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni", "-mno-avx512f -mno-avx2"],
-                         ids=["avx2", "avx2-without-vnni", "plain"])
+@NARROW_BUILDS
 def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, flags):
     xs_raws = [kernel_inputs(m, 48, 1792) for m in (1, 5)]
     raw = xs_raws[0][1]
