@@ -357,17 +357,19 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
     const int64_t at = x.at(r0, s);
     const int8_t* xc = x.codes.data() + at * QK_K;
     const float *xs = x.scales.data() + at * SUB_BLOCKS, *xm = x.sums.data() + at * SUB_BLOCKS;
+    __m256 d[2], dmin[2];
+    for (int64_t h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h)));
+      dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * TILE_ROWS + 16 * h)));
+    }
     for (int64_t j = 0; j < SUB_BLOCKS; ++j) {
       const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 320 * j;  // a decode step streams the weights: 2 KB ahead
       for (int64_t line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
       NibbleDots dots[R][2];
       for (int64_t g = 0; g < 4; ++g) add_nibble_group(dots, b + TILE_CODES + 64 * (4 * j + g), xc + 8 * (4 * j + g), QK_K);
       for (int64_t h = 0; h < 2; ++h) {
-        const __m256 ws = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h))),
-                                        bytes_as_floats(b + TILE_SCALES + TILE_ROWS * j + 8 * h));
-        const __m256 wm = _mm256_mul_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * TILE_ROWS + 16 * h))),
-            bytes_as_floats(b + TILE_MINS + TILE_ROWS * j + 8 * h));
+        const __m256 ws = _mm256_mul_ps(d[h], bytes_as_floats(b + TILE_SCALES + TILE_ROWS * j + 8 * h));
+        const __m256 wm = _mm256_mul_ps(dmin[h], bytes_as_floats(b + TILE_MINS + TILE_ROWS * j + 8 * h));
         for (int64_t r = 0; r < R; ++r) {
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h].total()),
                                       _mm256_mul_ps(ws, _mm256_set1_ps(xs[SUB_BLOCKS * r + j])), acc[r][h]);

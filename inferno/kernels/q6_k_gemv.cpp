@@ -408,6 +408,8 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
     const int8_t* xc = x.codes.data() + at * QK_K;
     const float* xs = x.scales.data() + at * (QK_K / X_BLOCK);
     const int32_t* starts = x.starts.data() + at * GROUPS;
+    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)))};
     for (int64_t g = 0; g < GROUPS; ++g) {
       const uint8_t* next = b + 2 * TILE_BLOCK_BYTES + 210 * g;  // a decode step streams the weights: 2 KB ahead
       for (int64_t line = 0; line < 210; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
@@ -425,8 +427,7 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
         }
       }
       for (int64_t h = 0; h < 2; ++h) {
-        const __m256 ws = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h))),
-                                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        const __m256 ws = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                                             reinterpret_cast<const __m128i*>(b + TILE_SCALES + TILE_ROWS * g + 8 * h)))));
         for (int64_t r = 0; r < R; ++r)
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][h]),
