@@ -84,6 +84,15 @@ def test_cli_generate_streams_the_same_text(llm):
     assert result.stdout.rstrip("\n") == expected.outputs[0].text
 
 
+def test_cli_generate_exits_cleanly_while_the_warm_up_runs():
+    """The default options: the answer comes before the background warm-up (tiles, huge pages) is over, and the
+    process must still exit 0 (a daemon thread inside a C++ op at finalization used to abort it: exit code 134)."""
+    result = subprocess.run([sys.executable, "-m", "inferno.entrypoints.cli", "generate", "Hello", "--max-tokens", "4",
+                             "--kv-cache-memory", str(64 << 20)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "terminate called" not in result.stderr
+
+
 def test_cli_rejects_bad_input_with_a_message():
     result = subprocess.run([sys.executable, "-m", "inferno.entrypoints.cli", "generate", "hi", "--top-p", "0",
                              "--kv-cache-memory", str(64 << 20)], capture_output=True, text=True, timeout=300)

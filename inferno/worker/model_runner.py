@@ -1,9 +1,12 @@
 """Runs one scheduled step: flat input tensors from the schedule, the forward pass(es), sampling."""
+import atexit
+import ctypes
 import logging
 import os
 import threading
 import time
 import types
+import weakref
 from typing import Protocol
 
 import torch
@@ -40,6 +43,8 @@ WARM_UP_NICENESS = 10
 # seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
 # GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
 WARM_UP_DELAY = 1.0
+# seconds the interpreter's exit waits for a warm-up thread to stop (see stop_warm_ups)
+WARM_UP_STOP_WAIT = 10.0
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str) -> int:
@@ -102,6 +107,7 @@ class ModelRunner:
             self.warm_up_thread = threading.Thread(target=self._warm_up, args=(compile_decode,),
                                                    name="inferno-warm-up", daemon=True)
             self.warm_up_thread.start()
+            WARMING_UP.add(self)
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -127,16 +133,27 @@ class ModelRunner:
         """The warm-up thread, at a lower OS priority (Linux), as are the compiler processes it starts, so serving
         keeps its core."""
         lower_thread_priority()
-        self.first_step_done.wait(WARM_UP_DELAY)
-        if self.device.type == "cpu":
-            self._tile_weights()  # first: the compiled graphs run the tiles
-        if compile_decode:
-            self._compile_decode_step()
-        if self.device.type == "cpu":
-            try:
-                move_weights_to_huge_pages(self.model)
-            except Exception:  # an optimisation: serving goes on from the pages the weights are on
-                logger.exception("moving the weights onto huge pages failed; they stay where they are")
+        try:
+            self.first_step_done.wait(WARM_UP_DELAY)
+            if self.device.type == "cpu":
+                self._tile_weights()  # first: the compiled graphs run the tiles
+            if compile_decode:
+                self._compile_decode_step()
+            if self.device.type == "cpu":
+                try:
+                    move_weights_to_huge_pages(self.model)
+                except Exception:  # an optimisation: serving goes on from the pages the weights are on
+                    logger.exception("moving the weights onto huge pages failed; they stay where they are")
+        except WarmUpStopped:  # the interpreter is exiting
+            pass
+
+    def stop_warm_up(self) -> None:
+        """End the warm-up thread where it is, for the interpreter's exit (see stop_warm_ups): raises WarmUpStopped
+        in it, which takes effect at its next Python instruction (a tile, a traced op, a huge-page chunk)."""
+        thread = self.warm_up_thread
+        if thread is not None and thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(WarmUpStopped))
+            thread.join(WARM_UP_STOP_WAIT)
 
     def _tile_weights(self) -> None:
         """Regroup the quantized weights that have tiles (`SuperBlockLinear.tile`, `Int4Linear.tile`,
@@ -315,6 +332,23 @@ class ModelRunner:
         emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
         for req, tokens in zip(plan.spec_requests, emitted):
             out.sampled_token_ids[req.request_id] = tokens
+
+
+class WarmUpStopped(BaseException):
+    """Raised in a warm-up thread at the interpreter's exit (a BaseException: no `except Exception` swallows it)."""
+
+
+# Runners whose warm-up thread may still run. A daemon thread still inside a C++ call (a torch op, the compiler) as
+# Python 3.11 finalizes is ended by pthread_exit, whose unwinding through noexcept C++ frames aborts the process
+# ("terminate called without an active exception", exit code 134): `inferno generate` used to end so whenever its
+# answer came before the warm-up's end. The threads are stopped first, while the interpreter is whole.
+WARMING_UP: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def stop_warm_ups() -> None:
+    for runner in list(WARMING_UP):
+        runner.stop_warm_up()
 
 
 def vector_width_option() -> dict[str, int]:
