@@ -1,6 +1,6 @@
 """The fused native CPU elementwise kernels (kernels/fused_ops.cpp) against the PyTorch operators they replace in
-eager steps: RMSNorm with and without the residual add, SiLU-and-multiply, rotary in place on a view of the QKV
-buffer; float32, bfloat16 and float16 rows, widths with a tail shorter than a vector; and the AVX2 build."""
+eager steps: RMSNorm with and without the residual add, SiLU-and-multiply, rotary of q and k (views of the QKV
+buffer); float32, bfloat16 and float16 rows, widths with a tail shorter than a vector; and the AVX2 build."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,19 +69,19 @@ def test_silu_and_mul_matches_pytorch(dtype, inner):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80, 6])  # 80: a tail of half a vector (AVX-512); 6: scalar only
-def test_rotary_in_place_matches_pytorch(dtype, head_dim):
-    """q and k as the decoder has them: views of the QKV buffer, rotated in place; v untouched."""
+def test_rotary_matches_pytorch(dtype, head_dim):
+    """q and k as the decoder has them: views of the QKV buffer, rotated into new tensors; the buffer untouched."""
     torch.manual_seed(head_dim)
     qkv = torch.randn(13, 9 + 3 + 3, head_dim).to(dtype)
     rotations = torch.randn(13, 1, head_dim // 2, 2)
     q, k, v = qkv.split([9, 3, 3], dim=1)
-    want_q, want_k, want_v = apply_rotary(q, rotations), apply_rotary(k, rotations), v.clone()
-    fused_ops().rotary_(q, rotations)
-    fused_ops().rotary_(k, rotations)
+    before = qkv.clone()
+    got_q, got_k = fused_ops().rotary(q, rotations), fused_ops().rotary(k, rotations)
+    assert got_q.is_contiguous() and got_q.shape == q.shape and got_q.dtype == dtype
     tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-    torch.testing.assert_close(q.float(), want_q.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(k.float(), want_k.float(), rtol=tol, atol=tol)
-    assert torch.equal(v, want_v)
+    torch.testing.assert_close(got_q.float(), apply_rotary(q, rotations).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k.float(), apply_rotary(k, rotations).float(), rtol=tol, atol=tol)
+    assert torch.equal(qkv, before)
 
 
 def test_avx2_build_matches_pytorch(tmp_path):
@@ -91,8 +91,8 @@ def test_avx2_build_matches_pytorch(tmp_path):
     gate_up = torch.randn(7, 2 * 100).bfloat16()
     qk = torch.randn(7, 4, 80).half()
     rotations = torch.randn(7, 1, 40, 2)
-    code = ("x, r, w, gu, qk, rot = inputs\nops = torch.ops.inferno\nops.rotary_(qk, rot)\n"
-            "outputs = (ops.add_rms_norm(x, r, w, 1e-6), ops.silu_and_mul(gu), qk)")
+    code = ("x, r, w, gu, qk, rot = inputs\nops = torch.ops.inferno\n"
+            "outputs = (ops.add_rms_norm(x, r, w, 1e-6), ops.silu_and_mul(gu), ops.rotary(qk, rot))")
     (out, total), silu, rotated = narrow_build_run(tmp_path, ["fused_ops.cpp"], "-mno-avx512f", code,
                                                    (x, residual, weight, gate_up, qk, rotations))
     assert torch.equal(total, residual + x)

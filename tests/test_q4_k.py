@@ -3,7 +3,6 @@ for bit (no repack at load), the kernel computes the float sums of the int8-roun
 run (the -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized
 weight for decode-sized and large batches. The tiles the warm-up regroups the blocks into keep every value, their
 kernel computes the same sums on every path, and switching an engine to them changes no token."""
-import threading
 
 import gguf
 import numpy as np
@@ -19,7 +18,7 @@ from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
 from inferno.worker.huge_pages import tensor_span, weight_ranges
-from inferno.worker.model_runner import ModelRunner
+from inferno.worker import model_runner
 from narrow_builds import NARROW_BUILDS, narrow_build_outputs, narrow_build_tiles_outputs
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks, write_tiny_gguf
@@ -234,28 +233,30 @@ def test_a_weight_of_rows_not_a_multiple_of_16_is_not_tiled():
 
 @needs_kernel
 @pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear)])
-def test_the_warm_up_tiles_the_engines_4_bit_weights_without_changing_a_token(tmp_path, monkeypatch, qtype,
-                                                                             layer_type):
-    """Requests run on the stored blocks (Q4_K as stored, Q4_1 as the int4 kernel's rows), the warm-up thread
-    regroups them into tiles (held back here until they are done), later requests run on those: the same tokens;
-    the stored blocks are no longer among the weights moved onto huge pages."""
-    release = threading.Event()
-    tile_weights = ModelRunner._tile_weights
-    monkeypatch.setattr(ModelRunner, "_tile_weights", lambda self: (release.wait(), tile_weights(self)))
+def test_the_engine_tiles_its_4_bit_weights_between_the_first_step_and_the_second(tmp_path, monkeypatch, qtype,
+                                                                                layer_type):
+    """The first step runs the stored blocks (Q4_K as stored, Q4_1 as the int4 kernel's rows), every later step the
+    tiles (never some layers of a step on each), so a second engine gives the same log-probabilities bit for bit
+    (the tiles' sums equal the stored kernels': test_kernels); the stored blocks are no longer among the weights
+    moved onto huge pages."""
+    monkeypatch.setattr(model_runner, "WARM_UP_DELAY", 600)  # no tiling before the first step, however slow
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     llm = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
     runner = llm.llm_engine.model_runner
     layers = [m for m in runner.model.modules() if isinstance(m, layer_type)]
     assert layers and all(m.can_tile for m in layers)
-    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert all(m.tiles is None for m in layers)
-    release.set()
+    tiled_steps = []
+    run_step = runner.run_step
+    monkeypatch.setattr(runner, "run_step", lambda step: (tiled_steps.append([m.tiles is not None for m in layers]),
+                                                         run_step(step))[1])
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert len(tiled_steps) == 16 and not any(tiled_steps[0]) and all(all(step) for step in tiled_steps[1:])
+    again = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
+    assert [o.outputs[0].logprobs for o in again.generate(prompts, params, use_tqdm=False)] == \
+        [o.logprobs for o in outputs]
     runner.wait_for_warm_up()
-    assert all(m.tiles is not None for m in layers)
-    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert after == before
     ranges = weight_ranges(runner.model)
     for m in layers:
         start, end = tensor_span(m.weight)

@@ -219,7 +219,7 @@ def w8a8_activations():
 @functools.cache
 def fused_ops():
     """The `torch.ops.inferno` namespace holding the fused elementwise steps of eager CPU steps: `rms_norm`,
-    `add_rms_norm`, `silu_and_mul` and `rotary_` (see fused_ops.cpp), or None when they cannot be built."""
+    `add_rms_norm`, `silu_and_mul` and `rotary` (see fused_ops.cpp), or None when they cannot be built."""
     if not _build("inferno_fused_ops", ("fused_ops.cpp",), "using PyTorch's elementwise operators"):
         return None
 
@@ -235,8 +235,8 @@ def fused_ops():
     def _(gate_up):
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
-    @torch.library.register_fake("inferno::rotary_")
+    @torch.library.register_fake("inferno::rotary")
     def _(x, rotations):
-        return None
+        return x.new_empty(x.shape)
 
     return torch.ops.inferno

@@ -1,8 +1,8 @@
 // The decoder's elementwise steps fused on the CPU, one pass over each row instead of one PyTorch operator (and one
-// temporary) per step, for eager steps (prefill): the CPU twins of kernels/triton_fused.py. Registered as
-// `inferno::rms_norm`, `inferno::add_rms_norm` (the residual added first), `inferno::silu_and_mul` and
-// `inferno::rotary_` (in place). float32, bfloat16 and float16 rows; arithmetic in float32, rounded once to the
-// row's dtype, except where the PyTorch path rounds in between and the result must stay the same (see rms_norm).
+// temporary) per step, for eager and compiled steps alike (the same rounding in both): the CPU twins of
+// kernels/triton_fused.py. Registered as `inferno::rms_norm`, `inferno::add_rms_norm` (the residual added first),
+// `inferno::silu_and_mul` and `inferno::rotary`. float32, bfloat16 and float16 rows; arithmetic in float32, rounded
+// once to the row's dtype, except where the PyTorch path rounds in between and the result must stay the same (see rms_norm).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -137,23 +137,27 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// x [T, heads, head_dim] (head_dim contiguous; interleaved pairs) rotated in place by rotations [T, 1, head_dim / 2,
-// 2] float32 (cos, sin of each pair's angle): (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)
-void rotary_(at::Tensor& x, const at::Tensor& rotations) {
+// x [T, heads, head_dim] (head_dim contiguous; interleaved pairs) rotated by rotations [T, 1, head_dim / 2, 2]
+// float32 (cos, sin of each pair's angle): (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos), into a new contiguous
+// tensor (a copy, not in place: a compiled step calls it too, and in-place ops on views do not trace)
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& rotations) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x: [T, heads, head_dim], head_dim contiguous");
   TORCH_CHECK(rotations.is_contiguous() && rotations.scalar_type() == at::kFloat &&
               rotations.numel() == x.size(0) * x.size(2), "rotations: [T, 1, head_dim / 2, 2] float32");
   const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
   const int64_t stride_t = x.stride(0), stride_h = x.stride(1);
-  dispatch_float_type(x.scalar_type(), "rotary_", [&](auto* type) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  dispatch_float_type(x.scalar_type(), "rotary", [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    T* base = ptr<T>(x);
+    const T* base = ptr<T>(x);
+    T* dst = ptr<T>(out);
     const float* cos_sin = rotations.data_ptr<float>();
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cs = cos_sin + t * head_dim;  // (cos, sin) per pair: the same layout as x's pairs
         for (int64_t h = 0; h < heads; ++h) {
-          T* row = base + t * stride_t + h * stride_h;
+          const T* row = base + t * stride_t + h * stride_h;
+          T* rotated = dst + (t * heads + h) * head_dim;
           int64_t i = 0;
           for (; i + LANES <= head_dim; i += LANES) {
             const floatv v = load(row + i), r = load(cs + i);
@@ -167,17 +171,18 @@ void rotary_(at::Tensor& x, const at::Tensor& rotations) {
             intv lane;
             for (int64_t l = 0; l < LANES; ++l) lane[l] = static_cast<int32_t>(l & 1);
             // lane 2p: x0 cos - x1 sin; lane 2p + 1: x0 sin + x1 cos
-            store(row + i, lane ? x0 * sin + x1 * cos : x0 * cos - x1 * sin);
+            store(rotated + i, lane ? x0 * sin + x1 * cos : x0 * cos - x1 * sin);
           }
           for (; i < head_dim; i += 2) {
             const float x0 = static_cast<float>(row[i]), x1 = static_cast<float>(row[i + 1]);
-            row[i] = static_cast<T>(x0 * cs[i] - x1 * cs[i + 1]);
-            row[i + 1] = static_cast<T>(x0 * cs[i + 1] + x1 * cs[i]);
+            rotated[i] = static_cast<T>(x0 * cs[i] - x1 * cs[i + 1]);
+            rotated[i + 1] = static_cast<T>(x0 * cs[i + 1] + x1 * cs[i]);
           }
         }
       }
     });
   });
+  return out;
 }
 
 }  // namespace
@@ -186,12 +191,12 @@ TORCH_LIBRARY_FRAGMENT(inferno, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.def("rotary_(Tensor(a!) x, Tensor rotations) -> ()");
+  m.def("rotary(Tensor x, Tensor rotations) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_", &rotary_);
+  m.impl("rotary", &rotary);
 }

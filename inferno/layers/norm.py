@@ -1,5 +1,5 @@
 """RMSNorm. Gemma's (1 + w) form is the same norm: its loaders add the 1 to the checkpoint weight. The residual add
-and the norm run as one kernel: Triton on CUDA, native in eager CPU steps (layers/fused_cpu.py)."""
+and the norm run as one kernel: Triton on CUDA, native in CPU steps, eager and compiled (layers/fused_cpu.py)."""
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -56,9 +56,8 @@ class SelfAttention(nn.Module):
         if q.is_cuda:  # in place, one Triton kernel each
             from inferno.kernels.triton_fused import rotary_
             q, k = rotary_(q, rotations), rotary_(k, rotations)
-        elif ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # in place, native
-            ops.rotary_(q, rotations)
-            ops.rotary_(k, rotations)
+        elif ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # native
+            q, k = ops.rotary(q, rotations), ops.rotary(k, rotations)
         else:
             qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

@@ -99,6 +99,15 @@ class ModelRunner:
             max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_forward, engine_config.max_num_seqs,
                                               cdiv(max_model_len, self.block_size), self.scratch_block, device)
+        # The quantized weights are regrouped into tiles (CPU) by the warm-up once the first step is over (or before
+        # any, WARM_UP_DELAY seconds after start-up), else at the start of the second step: never during a step
+        # (each holds `tiling`), so the first step runs every layer on the stored blocks and every later step every
+        # layer on tiles, and the same requests get the same tokens in every run (a switch at a token that depended
+        # on timing changed them: the kernels round differently in the last bit, which the next layer's int8
+        # activations amplify). The first token is not held up by it.
+        self.tiling = threading.Lock()
+        self.tiled = device.type != "cpu"
+        self.step_started = False  # (with `tiling` held)
         # the background warm-up: the decode step compiled, then the weights moved onto huge pages (CPU); it starts
         # after the first step (or WARM_UP_DELAY seconds without one), which it would slow down
         self.first_step_done = threading.Event()
@@ -135,8 +144,8 @@ class ModelRunner:
         lower_thread_priority()
         try:
             self.first_step_done.wait(WARM_UP_DELAY)
-            if self.device.type == "cpu":
-                self._tile_weights()  # first: the compiled graphs run the tiles
+            with self.tiling:  # after the first step (or before any, on an idle engine), unless the second did
+                self._tile_once()
             if compile_decode:
                 self._compile_decode_step()
             if self.device.type == "cpu":
@@ -154,6 +163,12 @@ class ModelRunner:
         if thread is not None and thread.is_alive():
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(WarmUpStopped))
             thread.join(WARM_UP_STOP_WAIT)
+
+    def _tile_once(self) -> None:
+        """Tiles (`_tile_weights`) unless made already; with `tiling` held."""
+        if not self.tiled:
+            self._tile_weights()
+            self.tiled = True
 
     def _tile_weights(self) -> None:
         """Regroup the quantized weights that have tiles (`SuperBlockLinear.tile`, `Int4Linear.tile`,
@@ -181,10 +196,14 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step on this rank: its requests brought up to date, the flat batches planned (every rank alike, one
         micro-batch per pipeline stage), the forward pass; rank 0 samples and returns the output."""
-        update_states(self.requests, sched, self.device)
-        plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
-        logits = self.run_step(plan.step)
-        output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
+        with self.tiling:
+            if self.step_started:  # from the second step on (the warm-up may have tiled meanwhile)
+                self._tile_once()
+            self.step_started = True
+            update_states(self.requests, sched, self.device)
+            plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
+            logits = self.run_step(plan.step)
+            output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
         if not self.first_step_done.is_set():  # once: Event.set takes a lock
             self.first_step_done.set()
         return output
@@ -239,8 +258,8 @@ class ModelRunner:
         (with `dynamic=True` their sizes became symbols: 486 shape guards checked at every step, 0.3 ms, and a
         slower batch graph). Guards on the modules and globals are skipped because the weights and caches stay the
         same tensors for the runner's lifetime, so each runner compiles its own copy of the function
-        (graphs are cached per code object: a draft model's runner must not find the target's). Fused bfloat16 ops
-        round where the eager ones do, so both paths give the same numbers.
+        (graphs are cached per code object: a draft model's runner must not find the target's). The layers call the
+        same native kernels traced as eager (layers/fused_cpu.py), so both paths give the same bits.
 
         Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
         hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
@@ -256,10 +275,12 @@ class ModelRunner:
                 # tied together), all on the scratch block
                 slot = self.scratch_block * self.block_size
                 for batch in (1, 2):
-                    self._run_compiled_decode(
-                        compiled, torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
-                        torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
-                        torch.ones(batch, dtype=torch.long), stance="default")
+                    inputs = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
+                              torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
+                              torch.ones(batch, dtype=torch.long))
+                    if batch == 1:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
+                        self._decode_forward(*inputs)
+                    self._run_compiled_decode(compiled, *inputs, stance="default")
         except Exception:
             logger.exception("compiling the decode step failed; decode steps stay eager")
             return
