@@ -10,9 +10,9 @@ from inferno.config import EngineConfig
 from inferno.engine.async_llm import AsyncLLM, RequestFailedError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-# A request alone and the same request among others may run different kernels (before and after the warm-up's tiles
-# and compiled step; a prefill beside decodes): equal in float up to rounding, which the default model's int8
-# activations (re-quantized at every layer) make up to ~0.1 in a logprob (measured on SmolLM2 Q4_1).
+# A request alone and the same request among others may run different kernels (the engine's first step runs the
+# stored blocks, later ones the tiles; a prefill beside decodes): equal in float up to rounding, which the default
+# model's int8 activations (re-quantized at every layer) make up to ~0.1 in a logprob (measured on SmolLM2 Q4_1).
 LOGPROB_TOLERANCE = 0.15
 
 

@@ -50,14 +50,16 @@ class SelfAttention(nn.Module):
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim:  # per-head norms
+        per_head_norms = self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim
+        if per_head_norms:
             q, k = self.q_norm(q), self.k_norm(k)
         ops = cpu_fused_ops(q)
         if q.is_cuda:  # in place, one Triton kernel each
             from inferno.kernels.triton_fused import rotary_
             q, k = rotary_(q, rotations), rotary_(k, rotations)
-        elif ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # native
-            q, k = ops.rotary(q, rotations), ops.rotary(k, rotations)
+        elif ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # native, one call
+            qk = torch.cat([q, k], dim=1) if per_head_norms else qkv[:, :self.num_heads + self.num_kv_heads]
+            q, k = ops.rotary(qk, rotations).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
