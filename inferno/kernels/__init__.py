@@ -218,7 +218,7 @@ def w8a8_activations():
 
 @functools.cache
 def fused_ops():
-    """The `torch.ops.inferno` namespace holding the fused elementwise steps of eager CPU steps: `rms_norm`,
+    """The `torch.ops.inferno` namespace holding the fused elementwise steps of CPU steps: `rms_norm`,
     `add_rms_norm`, `silu_and_mul` and `rotary` (see fused_ops.cpp), or None when they cannot be built."""
     if not _build("inferno_fused_ops", ("fused_ops.cpp",), "using PyTorch's elementwise operators"):
         return None

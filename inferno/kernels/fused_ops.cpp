@@ -2,7 +2,8 @@
 // temporary) per step, for eager and compiled steps alike (the same rounding in both): the CPU twins of
 // kernels/triton_fused.py. Registered as `inferno::rms_norm`, `inferno::add_rms_norm` (the residual added first),
 // `inferno::silu_and_mul` and `inferno::rotary`. float32, bfloat16 and float16 rows; arithmetic in float32, rounded
-// once to the row's dtype, except where the PyTorch path rounds in between and the result must stay the same (see rms_norm).
+// once to the row's dtype, except where the PyTorch path rounds in between and the result must stay the same (see
+// rms_norm).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
