@@ -1,8 +1,8 @@
 """GGUF Q4_K run as stored (layers/q4_k.py, kernels/q4_k_gemv.cpp): the super-blocks hold the file's weights bit
 for bit (no repack at load), the kernel computes the float sums of the int8-rounded rows on every path this CPU can
 run (the -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized
-weight for decode-sized and large batches. The tiles the warm-up regroups the blocks into keep every value, their
-kernel computes the same sums on every path, and switching an engine to them changes no token."""
+weight for decode-sized and large batches. The tiles the engine regroups the blocks into keep every value, their
+kernel computes the same sums on every path, and an engine switches to them between its first step and its second."""
 
 import gguf
 import numpy as np
@@ -247,10 +247,14 @@ def test_the_engine_tiles_its_4_bit_weights_between_the_first_step_and_the_secon
     runner = llm.llm_engine.model_runner
     layers = [m for m in runner.model.modules() if isinstance(m, layer_type)]
     assert layers and all(m.can_tile for m in layers)
-    tiled_steps = []
+    tiled_steps = []  # per step, whether each layer had its tiles
     run_step = runner.run_step
-    monkeypatch.setattr(runner, "run_step", lambda step: (tiled_steps.append([m.tiles is not None for m in layers]),
-                                                         run_step(step))[1])
+
+    def recording_run_step(step):
+        tiled_steps.append([m.tiles is not None for m in layers])
+        return run_step(step)
+
+    monkeypatch.setattr(runner, "run_step", recording_run_step)
     outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert len(tiled_steps) == 16 and not any(tiled_steps[0]) and all(all(step) for step in tiled_steps[1:])
     again = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)

@@ -107,7 +107,6 @@ class ModelRunner:
         # activations amplify). The first token is not held up by it.
         self.tiling = threading.Lock()
         self.tiled = device.type != "cpu"
-        self.step_started = False  # (with `tiling` held)
         # the background warm-up: the decode step compiled, then the weights moved onto huge pages (CPU); it starts
         # after the first step (or WARM_UP_DELAY seconds without one), which it would slow down
         self.first_step_done = threading.Event()
@@ -197,9 +196,8 @@ class ModelRunner:
         """One step on this rank: its requests brought up to date, the flat batches planned (every rank alike, one
         micro-batch per pipeline stage), the forward pass; rank 0 samples and returns the output."""
         with self.tiling:
-            if self.step_started:  # from the second step on (the warm-up may have tiled meanwhile)
+            if self.first_step_done.is_set():  # from the second step on (the warm-up may have tiled meanwhile)
                 self._tile_once()
-            self.step_started = True
             update_states(self.requests, sched, self.device)
             plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
             logits = self.run_step(plan.step)
