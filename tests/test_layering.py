@@ -29,3 +29,20 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     result = lint_imports(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "inferno.worker.input_batch -> inferno.engine.scheduler" in result.stdout
+
+
+def modules_loaded_by(statement: str) -> set[str]:
+    """The inferno modules a fresh interpreter has loaded after `statement`."""
+    code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m.startswith('inferno')))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return set(result.stdout.split())
+
+
+def test_a_lower_layer_imports_without_the_engine():
+    assert "inferno.engine.llm_engine" not in modules_loaded_by("import inferno.kernels")
+    assert modules_loaded_by("import inferno") == {"inferno", "inferno.core", "inferno.core.startup_gc"}
+
+
+def test_the_public_names_load_on_first_use():
+    loaded = modules_loaded_by("from inferno import LLM, SamplingParams")
+    assert {"inferno.entrypoints.llm", "inferno.engine.llm_engine", "inferno.sampling_params"} <= loaded

@@ -8,16 +8,18 @@ import uuid
 from dataclasses import MISSING, Field, fields
 from typing import get_args
 
-from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES,
-                            PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig,
-                            SpeculativeConfig)
-from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
 from inferno.core.startup_gc import gc_paused
-from inferno.engine.input_processor import PromptType
-from inferno.engine.llm_engine import LLMEngine
-from inferno.entrypoints.llm import LLM
-from inferno.sampling_params import RequestOutputKind, SamplingParams
-from inferno.server.cli_args import add_server_args, server_config
+
+with gc_paused(freeze=True):  # importing torch and inferno builds objects as long-lived as the process (startup_gc)
+    from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES,
+                                PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig,
+                                SpeculativeConfig)
+    from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
+    from inferno.engine.input_processor import PromptType
+    from inferno.engine.llm_engine import LLMEngine
+    from inferno.entrypoints.llm import LLM
+    from inferno.sampling_params import RequestOutputKind, SamplingParams
+    from inferno.server.cli_args import add_server_args, server_config
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
