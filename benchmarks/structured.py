@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = parser.parse_args()
     llm = LLM(args.model)
-    llm.llm_engine.model_runner.wait_for_warm_up()  # the steady state: both runs with the compiled step
+    llm.wait_for_warm_up()  # the steady state: both runs with the compiled step
     throughput(llm, 4, 8, SCHEMA)  # warm-up: the tokenizer for the grammar library, first steps
     runs = {None: [], "schema": []}
     for _ in range(2):  # alternated, so that a slow spell of the machine does not land on one side only

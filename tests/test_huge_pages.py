@@ -94,13 +94,13 @@ def test_the_warm_up_moves_the_engines_weights_without_changing_a_token(tmp_path
     calls = []  # (model, bytes moved or None): other engines' warm-ups (the suite's) may call too
     monkeypatch.setattr(model_runner, "move_weights_to_huge_pages", lambda model: calls.append((model, None)))
     unmoved = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
-    assert not unmoved.llm_engine.model_runner.wait_for_warm_up()
+    assert not unmoved.wait_for_warm_up()
     expected = [o.outputs[0].token_ids for o in unmoved.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(model_runner, "move_weights_to_huge_pages",
                         lambda model: calls.append((model, move_weights_to_huge_pages(model))))
     llm = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
     during = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    llm.llm_engine.model_runner.wait_for_warm_up()
+    llm.wait_for_warm_up()
     after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert any(m is unmoved.llm_engine.model_runner.model and n is None for m, n in calls)
     assert any(m is llm.llm_engine.model_runner.model and isinstance(n, int) for m, n in calls)

@@ -56,7 +56,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     from inferno.engine.llm_engine import LLMEngine
     def threads(): return set(os.listdir("/proc/self/task"))
     engine = LLMEngine(EngineConfig(num_threads=4, enforce_eager=True, max_model_len=256, kv_cache_memory=16 << 20))
-    engine.model_runner.wait_for_warm_up()  # its thread (and any pool of its own) is gone
+    engine.wait_for_warm_up()  # its thread (and any pool of its own) is gone
     before = threads()
     torch.ones(1 << 23).add_(1)
     print(len(threads() - before))

@@ -161,13 +161,13 @@ def test_pipeline_with_int4_weights_and_int8_kv_cache_matches_one_process():
     """Each stage loads and quantizes only its own layers, with its layers' KV cache in int8."""
     quantized = dict(quantization="int4", kv_cache_dtype="int8", kv_cache_memory=16 << 20)
     single = LLM(**quantized, enforce_eager=True)  # eager, as the stages' steps
-    single.llm_engine.model_runner.wait_for_warm_up()  # its int4 weights tiled, as the stages' will be
+    single.wait_for_warm_up()  # its int4 weights tiled, as the stages' will be
     prompts = [PROMPTS[0], "Hello, my name is"]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     reference = single.generate(prompts, params, use_tqdm=False)
     with parallel_llm(pipeline_parallel_size=2, **quantized) as llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # starts every rank's warm-up
-        llm.llm_engine.model_runner.wait_for_warm_up()  # this rank's tiles; the other rank tiles its half alike
+        llm.wait_for_warm_up()  # this rank's tiles; the other rank tiles its half alike
         model = llm.llm_engine.model_runner.model
         assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks
         assert isinstance(model.lm_head, Q8Linear)

@@ -71,6 +71,11 @@ class LLMEngine:
         """Rank 0's model runner (the only one with one process)."""
         return self.executor.model_runner
 
+    def wait_for_warm_up(self, timeout: float | None = None) -> bool:
+        """Block until the background warm-up is over (the engine at full speed), at most `timeout` seconds; True
+        if decode steps now run compiled."""
+        return self.executor.wait_for_warm_up(timeout)
+
     def is_healthy(self) -> bool:
         """False once a rank of a multi-process executor has died (or the engine is shut down)."""
         return self.executor.is_healthy()

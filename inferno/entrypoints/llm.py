@@ -56,6 +56,12 @@ class LLM:
                                 length_penalty=length_penalty, early_stopping=early_stopping, ignore_eos=ignore_eos)
         return self.generate(prompts, params, use_tqdm)
 
+    def wait_for_warm_up(self, timeout: float | None = None) -> bool:
+        """Block until the engine is at full speed: the background warm-up (weights regrouped into tiles, the
+        compiled decode step) is over, or `timeout` seconds have passed. True if decode steps now run compiled.
+        Generation never needs this (it runs during the warm-up); benchmarks of the steady state do."""
+        return self.llm_engine.wait_for_warm_up(timeout)
+
     def reset_prefix_cache(self) -> int:
         return self.llm_engine.reset_prefix_cache()
 

@@ -4,10 +4,9 @@ import os
 
 from inferno.config import EngineConfig
 from inferno.distributed.process_group import launched_by_torchrun
+from inferno.executor.abstract import Executor
 from inferno.executor.multiproc import ExecutorDeadError, MultiprocExecutor
 from inferno.executor.uniproc import UniProcExecutor
-
-Executor = UniProcExecutor | MultiprocExecutor
 
 __all__ = ["Executor", "ExecutorDeadError", "make_executor"]
 

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from inferno.config import EngineConfig
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.process_group import init_process_groups, launched_by_torchrun, threads_per_rank
-from inferno.core.scheduler_output import DraftOutput, DraftRequest, ModelRunnerOutput, SchedulerOutput
+from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from inferno.executor.abstract import Executor
 from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
 
@@ -46,7 +47,7 @@ def run_worker(rank: int, config: EngineConfig, store_port: int) -> None:
         dist.destroy_process_group()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         if dist.is_initialized():
             raise ValueError("this process already belongs to a torch.distributed process group (another multi-rank "
@@ -62,7 +63,7 @@ class MultiprocExecutor:
             else:
                 parallel, self.control = self._spawn_ranks()
             torch.set_num_threads(threads_per_rank(config))
-            self.worker = Worker(config, parallel)
+            worker = Worker(config, parallel)
             dist.barrier(group=self.control)  # every rank holds its shard
         except Exception as e:
             error = self._fail(e, "starting the ranks")
@@ -70,11 +71,7 @@ class MultiprocExecutor:
                 raise
             raise error from e
         self.parallel = parallel
-        self.model_runner = self.worker.model_runner
-        # what the engine needs to know of the model: its files, shape, tokenizer and KV blocks
-        self.model_path, self.model_config = self.worker.model_path, self.worker.model_config
-        self.tokenizer, self.num_blocks = self.worker.tokenizer, self.worker.num_blocks
-        self.kv_block_bytes = self.worker.kv_block_bytes
+        self._expose(worker)
         if parallel.rank != 0:  # torchrun: this process serves rank 0 until it shuts down, then exits
             self.worker.serve(self.control)
             dist.destroy_process_group()
@@ -94,10 +91,6 @@ class MultiprocExecutor:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Every rank runs the scheduled step; rank 0's sampled output."""
         return self._on_every_rank(sched, self.model_runner.execute_model)
-
-    def propose_drafts(self, wanted: list[DraftRequest]) -> DraftOutput:
-        """Rank 0 alone proposes (a draft model runs whole there): nothing is sent to the other ranks."""
-        return self.worker.propose_drafts(wanted)
 
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Every rank runs the flat batches of `step` (no request states, no sampling); the logits, on rank 0."""
