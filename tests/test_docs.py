@@ -130,17 +130,31 @@ def test_results_md_has_one_section_per_title_and_paired_markers():
         assert text.count(f"<!-- {name}:start -->") == 1 and text.count(f"<!-- {name}:end -->") == 1, name
 
 
-def test_results_md_section_is_replaced_in_place(tmp_path):
+def results_md():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from results_md import write_section
+        import results_md
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return results_md
+
+
+def test_results_md_section_is_replaced_in_place_with_date_and_machine(tmp_path):
     results = tmp_path / "RESULTS.md"
     results.write_text(RESULTS.read_text())
-    write_section(results, "serve", "## Online serving (`benchmarks/serve.py`)\n\nnew table")
-    text = results.read_text()
-    assert text.count("## Online serving") == 1 and text.count("<!-- serve:start -->") == 1 and "new table" in text
-    before, after = RESULTS.read_text(), text
+    results_md().write_section(results, "serve", "## Online serving (`benchmarks/serve.py`)\n\nnew table")
+    before, after = RESULTS.read_text(), results.read_text()
+    section = after.split("<!-- serve:start -->")[1].split("<!-- serve:end -->")[0]
+    assert after.count("## Online serving") == 1 and after.count("<!-- serve:start -->") == 1
+    assert re.fullmatch(r"\n## Online serving .*\n\n- Date: .* UTC\n- Machine: .*\n\nnew table\n", section), section
     assert after.split("<!-- serve:start -->")[0] == before.split("<!-- serve:start -->")[0]
     assert after.split("<!-- serve:end -->")[1] == before.split("<!-- serve:end -->")[1]
+
+
+def test_results_md_keeps_a_section_s_own_date(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    body = "## A benchmark\n\n- Date: 2026-01-01 00:00 UTC\n- Machine: described by the script\n\n| a |"
+    results_md().write_section(results, "a", body)
+    results_md().write_section(results, "b", "## B\n\n| b |")
+    text = results.read_text()
+    assert f"<!-- a:start -->\n{body}\n<!-- a:end -->" in text and text.count("- Date:") == 2
