@@ -39,7 +39,7 @@ class MoEConfig:
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" | MoE: see README
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" | MoE: docs/models.md
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -82,13 +82,13 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
-# defaults of the speculation policy (benchmarks/spec_decode.py, benchmarks/RESULTS.md; 2-core CPU, int4 weights):
-# batch 1 verifies a few extra tokens almost for free, while at 8 requests a step's cost grows with its tokens
-# (int4 matmuls are compute-bound there), and with 0.6 acceptance the 0.5B draft lost a third of the throughput;
-# with the switch it kept ~0.95x. Requests whose drafts are mostly rejected (n-gram on chat) pause.
+# defaults of the speculation policy (benchmarks/spec_decode.py): batch 1 verifies a few extra tokens almost for
+# free, while in a large batch a step's cost grows with its tokens (the matmuls are compute-bound there), so
+# verifying drafts costs more throughput than the accepted tokens bring. Requests whose drafts are mostly rejected
+# (n-gram on chat) pause.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # a draft position pays when its chance of acceptance outweighs its cost: the extra row verified for n-gram drafts,
-# that plus a pass of the draft model (about a third of a target step for Qwen2.5-Coder 0.5B vs 1.5B) for a draft
+# that plus a pass of the draft model (a sizeable share of a target step) for a draft model
 DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = {"ngram": 0.3, "draft_model": 0.5}
 
 
@@ -310,8 +310,8 @@ class EngineConfig:
     def weights_run_in_integer_kernels(self) -> bool:
         """The projections run in the CPU's int4 / int8 kernels, which quantize their inputs to int8 themselves:
         int4, or "auto" on a GGUF file (the default model included) or an AWQ / GPTQ folder. dtype "auto" keeps
-        float32 between them even where bfloat16 GEMMs are native: measured faster there (SmolLM2 Q4_1 on AVX512-BF16,
-        2 cores: decode 143.9 vs 130.7 tok/s, prompt 940 vs 885), and it rounds less, as llama.cpp computes."""
+        float32 between them even where bfloat16 GEMMs are native: faster there (nothing to convert around the
+        kernels), and it rounds less, as llama.cpp computes."""
         if self.quantization == "int4":
             return True
         if self.quantization != "auto":

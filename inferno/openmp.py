@@ -3,10 +3,10 @@
 libgomp keeps a pool of worker threads for every thread that has run a parallel region, for the life of that
 thread. Once it manages more threads than there are CPUs, it cuts its workers' spin-wait to 100 iterations
 (`gomp_throttled_spin_count`), so every parallel region pays futex wake-ups. A server loads the model on the
-main thread and steps it on the engine thread: with 2 threads on 2 cores, the main thread's idle worker alone
-made a SmolLM2 decode step 22 ms instead of 5.7 (4 streams). Hence: the thread that steps the engine is the
-only one that keeps a pool; the thread that loaded the model releases its own (`LLMEngine`); helper threads beside
-the engine (the KV connector's) run their ops on themselves.
+main thread and steps it on the engine thread, so the main thread's idle worker alone throttles every parallel
+region of a decode step (visible in benchmarks/serve.py's inter-token latency). Hence: the thread that steps the
+engine is the only one that keeps a pool; the thread that loaded the model releases its own (`LLMEngine`); helper
+threads beside the engine (the KV connector's) run their ops on themselves.
 """
 import ctypes
 import functools

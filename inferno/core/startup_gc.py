@@ -2,8 +2,8 @@
 
 Importing torch and inferno and building an engine allocate millions of container objects (modules, operator
 tables, a vocabulary's merges) that nearly all live on; the collector, triggered by allocation counts, scans them
-over and over: about 0.2 s of the 1.6 s from `inferno generate` to the first token of Qwen2.5-Coder-1.5B (three
-full collections and hundreds of young ones). None of it is cyclic garbage worth collecting then; collection resumes
+over and over (several full collections and hundreds of young ones: a visible share of the time to the first
+token, benchmarks/startup.py). None of it is cyclic garbage worth collecting then; collection resumes
 afterwards. What the imports built (modules, classes, functions: they live as long as the process) is frozen out of
 later collections' scans (`gc.freeze`, as pre-fork servers do), and so is what the engine built where the process
 is inferno's own (`inferno generate`, `chat`, `serve`); an engine built through the Python API is not frozen (the

@@ -36,7 +36,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return weights, experts
 
 
-# CPU GEMMs with a few rows pack the whole weight first (2-4x slower than a matrix-vector product per row there):
+# CPU GEMMs with a few rows pack the whole weight first (slower than a matrix-vector product per row there):
 # experts with at most this many tokens run them one by one
 ROW_BY_ROW_MAX_TOKENS = 4
 

@@ -64,8 +64,8 @@ class Tokenizer:
         chat_template: str | None,
         vocab_size: int | None = None,
     ):
-        """`vocab_size`: one more than the largest token id, when known (else read from the vocabulary: 0.15 s for
-        Qwen2.5's 152k tokens)."""
+        """`vocab_size`: one more than the largest token id, when known (else read from the vocabulary, a
+        noticeable cost on large vocabularies)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size or max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         self.bos_token_id = bos_token_id

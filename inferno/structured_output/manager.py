@@ -119,7 +119,7 @@ class StructuredOutputManager:
         for _, _, drafts in rows:
             starts.append(total)
             total += 1 + len(drafts)
-        import llguidance.torch  # here, not at the top: it imports torch._dynamo (2 s), which no unconstrained run needs
+        import llguidance.torch  # not at the top: it imports torch._dynamo (slow), which no unconstrained run needs
         bitmask = llguidance.torch.allocate_token_bitmask(total, self.vocab_size)
         if self._mask_executor is None:
             self._mask_executor = llguidance.LLExecutor()
