@@ -64,9 +64,10 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     """The app serving `async_llm`; the engine thread starts and stops with the app's lifespan."""
     completions = ServingCompletion(async_llm, model_name)
     chat = ServingChat(async_llm, model_name, tool_call_parser, reasoning_parser)
-    defaults = ServerConfig()
-    responses = ServingResponses(chat, response_store or ResponseStore(defaults.responses_store_max_items,
-                                                                       defaults.responses_store_max_bytes))
+    if response_store is None:
+        defaults = ServerConfig()
+        response_store = ResponseStore(defaults.responses_store_max_items, defaults.responses_store_max_bytes)
+    responses = ServingResponses(chat, response_store)
     tokenizer = OpenAIServing(async_llm, model_name)
 
     @asynccontextmanager
