@@ -5,14 +5,18 @@ import json
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
+from openai.types.responses import ResponseStreamEvent
 
-from inferno.server.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
 from inferno.server.protocol_responses import (
     FunctionCallItem, MessageItem, ReasoningItem, ResponsesRequest, ResponsesResponse)
 from inferno.server.response_store import ResponseStore
 from inferno.server.responses_input import chat_messages
+from inferno.server.reasoning import reasoning_parser
 from inferno.server.responses_output import OutputBuilder
+from inferno.server.tool_parsers import HermesToolParser
 from test_server import RemoteServer
 
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
@@ -23,6 +27,7 @@ WEATHER_TOOL = {
                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}
 QUESTION = "What is the capital of France?"
+EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)  # the SDK's own event types
 
 
 @pytest.fixture(scope="module")
@@ -229,22 +234,35 @@ def test_store_drops_least_recently_used_within_count_and_byte_caps():
 
 
 # adapters
-def test_reasoning_text_and_calls_become_items_and_their_events():
+REASONING_REPLY = 'Paris is asked.</think>Let me check. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+
+
+def built_reply(chunks: list[str]) -> tuple[OutputBuilder, list[dict]]:
+    """A reply read by chat's parsers (deepseek_r1 reasoning, Hermes tool calls) chunk by chunk, as items."""
     builder = OutputBuilder()
-    deltas = [DeltaMessage(reasoning_content="Think"), DeltaMessage(reasoning_content="ing."),
-              DeltaMessage(content="Hel"), DeltaMessage(content="lo"),
-              DeltaMessage(tool_calls=[DeltaToolCall(index=0, id="call_1", type="function",
-                                                     function=DeltaFunctionCall(name="f", arguments=""))]),
-              DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='{"a": 1}'))])]
-    events = [e for d in deltas for e in builder.add(d)] + builder.finish("completed")
+    tracker = ChatDeltaTracker(ChatOutputParser(reasoning_parser("deepseek_r1"), HermesToolParser()))
+    events = []
+    for i, chunk in enumerate(chunks):
+        delta = tracker.delta(chunk, final=i == len(chunks) - 1)
+        events += builder.add(delta) if delta is not None else []
+    return builder, events + builder.finish("completed")
+
+
+def test_reasoning_text_and_calls_become_items_with_the_sdks_events():
+    builder, events = built_reply(list(REASONING_REPLY))
+    whole, _ = built_reply([REASONING_REPLY])
+    without_ids = lambda items: [item.model_dump(exclude={"id", "call_id"}) for item in items]  # noqa: E731
+    assert without_ids(builder.items) == without_ids(whole.items)
     reasoning, message, call = builder.items
-    assert isinstance(reasoning, ReasoningItem) and reasoning.content[0].text == "Thinking."
-    assert isinstance(message, MessageItem) and message.content[0].text == "Hello"
-    assert isinstance(call, FunctionCallItem) and (call.call_id, call.name, call.arguments) == ("call_1", "f", '{"a": 1}')
-    assert [e["type"] for e in events if e["output_index"] == 0] == [
-        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
-        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
-        "response.output_item.done"]
+    assert isinstance(reasoning, ReasoningItem) and reasoning.content[0].text == "Paris is asked."
+    assert isinstance(message, MessageItem) and message.content[0].text == "Let me check. "
+    assert isinstance(call, FunctionCallItem) and (call.name, json.loads(call.arguments)) == ("f", {"a": 1})
+    parsed = [EVENTS.validate_python(event | {"sequence_number": n}) for n, event in enumerate(events)]
+    assert [e.type for e in parsed if e.output_index == 0 and "delta" not in e.type] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done"]
+    assert "".join(e.delta for e in parsed if e.type == "response.reasoning_text.delta") == "Paris is asked."
+    assert "".join(e.delta for e in parsed if e.type == "response.function_call_arguments.delta") == call.arguments
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done == [item.model_dump(mode="json") for item in builder.items]
     assert all(item.status == "completed" for item in builder.items)

@@ -18,14 +18,14 @@ from inferno.engine.async_llm import AsyncLLM
 from inferno.engine.llm_engine import LLMEngine
 from inferno.server.cli_args import ServerConfig
 from inferno.server.metrics import PrometheusStatLogger
-from inferno.server.protocol_responses import DeletedResponse, ResponsesRequest, ResponsesResponse
 from inferno.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeChatRequest, TokenizeRequest,
     TokenizeResponse)
+from inferno.server.protocol_responses import DeletedResponse, ResponsesRequest, ResponsesResponse
+from inferno.server.response_store import ResponseStore
 from inferno.server.serving import OpenAIError, OpenAIServing, server_error
 from inferno.server.serving_chat import ServingChat
-from inferno.server.response_store import ResponseStore
 from inferno.server.serving_completion import ServingCompletion
 from inferno.server.serving_responses import ServingResponses
 

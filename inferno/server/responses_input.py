@@ -73,8 +73,8 @@ def chat_tool(tool: FunctionTool) -> dict:
 
 
 def chat_tool_choice(tool_choice: ToolChoice, has_tools: bool) -> str | dict | None:
-    if isinstance(tool_choice, str):
-        return None if tool_choice == "auto" and not has_tools else tool_choice  # "auto" is the default here
+    if isinstance(tool_choice, str):  # Responses' default "auto" needs no tools; chat's tool_choice does
+        return None if tool_choice == "auto" and not has_tools else tool_choice
     return {"type": "function", "function": {"name": tool_choice.name}}
 
 
