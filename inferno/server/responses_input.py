@@ -51,8 +51,8 @@ def chat_messages(instructions: str | None, items: list[InputItem]) -> list[Chat
             function_names[item.call_id] = item.name
             if last is None:
                 messages.append(last := {"role": "assistant", "content": ""})
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            last.setdefault("tool_calls", []).append(call)
+            function = {"name": item.name, "arguments": item.arguments}
+            last.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": function})
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "name": function_names.get(item.call_id),
                              "content": text_of(item.output)})
