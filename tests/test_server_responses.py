@@ -119,6 +119,16 @@ def test_request_id_header_names_the_response(server):
     assert response.status_code == 200 and response.headers["x-request-id"] == response.json()["id"] == "resp_abc123"
 
 
+def test_dropped_stream_is_aborted_and_frees_its_blocks(server, client):
+    stream = create(client, input="Tell me a long story.", max_output_tokens=400, stream=True)
+    events = iter(stream)
+    while next(events).type != "response.output_text.delta":
+        pass
+    assert server.metrics()["inferno:kv_cache_usage_perc"] > 0
+    stream.close()
+    server.wait_for_idle_engine(timeout=5)
+
+
 # tools
 def function_calls(output) -> list:
     assert output and all(item.type == "function_call" for item in output), output
@@ -159,6 +169,27 @@ def test_streamed_function_calls_equal_the_non_streamed_ones(client):
     assert deltas == done.arguments == call.arguments and json.loads(deltas)
     [streamed_call] = events[-1].response.output
     assert (streamed_call.name, streamed_call.arguments) == (call.name, call.arguments)
+
+
+def test_a_codex_style_turn_is_accepted(server):
+    """The fields an agent such as Codex sends on a later turn: its whole history again, unstored."""
+    shell = {"type": "function", "name": "shell", "description": "Runs a command", "strict": False,
+             "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                            "required": ["command"]}}
+    history = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You code."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": None, "encrypted_content": None},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "shell",
+         "arguments": '{"command": ["ls"]}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "README.md"}]
+    body = {"model": MODEL_NAME, "instructions": "Be brief.", "input": history, "tools": [shell], "tool_choice": "auto",
+            "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"}, "store": False,
+            "stream": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "abc",
+            "max_output_tokens": 2}
+    response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["output"] and response.json()["store"] is False
 
 
 def test_json_schema_text_format_output_validates(client):
