@@ -65,9 +65,9 @@ class ServingResponses:
         with responses_params():
             chat = chat_request(request, conversation)
             prompt, params = self.chat.prepare(chat)
+            pending = PendingResponse(request, response_id, self.chat.model_name, prompt, conversation,
+                                      self.chat.output_parser(chat), int(time.time()))
             streams = await self.chat.add_requests(response_id, [prompt], params)
-        pending = PendingResponse(request, response_id, self.chat.model_name, prompt, conversation,
-                                  self.chat.output_parser(chat), int(time.time()))
         headers = {"X-Request-Id": response_id}
         if request.stream:
             return EngineStreamingResponse(self.stream(pending, streams[0]),
