@@ -1,6 +1,6 @@
 """A reply read by chat's parsers (its DeltaMessages) as Responses output items, with the stream events that open,
-grow and close each item. A non-streamed reply goes through the same builder in one delta, so both routes give the
-same items."""
+grow and close each item. A non-streamed reply goes through the same builder in one delta, so streamed and
+non-streamed replies give the same items."""
 import uuid
 from typing import Any
 
