@@ -45,7 +45,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 # authentication
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}],
                          ids=["missing", "wrong", "not-bearer"])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                                  "/detokenize"])
 def test_requests_without_the_api_key_get_401(server, path, headers):
     assert_error(post(server, path, {"prompt": "hi"}, headers=headers), 401, code="invalid_api_key")
 
@@ -128,6 +129,44 @@ def test_bad_chat_parameter_gets_400(server, fields, param):
     assert_error(post(server, "/v1/chat/completions", body | fields), 400, param)
 
 
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+RESPONSES_CASES = [
+    ({"input": 123}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "robot", "content": "Hi"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "no call_id"}]}, "input"),
+    ({"input": "word " * 200}, "max_output_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"metadata": {"key": "v" * 513}}, "metadata"),
+    ({"background": True}, "background"),
+    ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
+    ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"model": "gpt-4"}, "model"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), RESPONSES_CASES, ids=[str(c[0])[:40] for c in RESPONSES_CASES])
+def test_bad_responses_parameter_gets_400(server, fields, param):
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 2}
+    assert_error(post(server, "/v1/responses", body | fields), 400, param)
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_unknown_response_id_gets_404(server, method):
+    response = httpx.request(method, f"{server.url}/v1/responses/resp_unknown", headers=AUTH)
+    assert_error(response, 404)
+
+
 def test_unknown_model_gets_model_not_found(server):
     with pytest.raises(openai.BadRequestError) as raised:
         server.client().completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
@@ -184,11 +223,11 @@ def test_full_waiting_queue_answers_503_and_recovers(server):
 
 
 # fuzzing
-FUZZ_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+FUZZ_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
 MAX_FUZZ_TOKENS = 2
 
 
-def bound_generation(body):
+def bound_generation(body, path: str):
     """Keep generated requests cheap on a CPU (at most 2 prompts, 2 samples and 2 new tokens each), and give
     messages without content some text, so that more chat requests get past the chat template to the engine."""
     if not isinstance(body, dict):
@@ -196,10 +235,13 @@ def bound_generation(body):
     for message in body.get("messages") if isinstance(body.get("messages"), list) else []:
         if isinstance(message, dict) and message.get("content") is None:
             message["content"] = "Hi"
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(name), int) and body[name] > MAX_FUZZ_TOKENS:
             body[name] = MAX_FUZZ_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if path == "/v1/responses":
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_FUZZ_TOKENS
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_FUZZ_TOKENS
     if isinstance(body.get("n"), int) and body["n"] > 2:
         body["n"] = 2
@@ -218,7 +260,7 @@ def test_fuzzed_requests_never_get_a_server_error(server, path):
               suppress_health_check=list(HealthCheck))
     @given(case=cases)
     def check(case):
-        bound_generation(case.body)
+        bound_generation(case.body, path)
         response = case.call(base_url=server.url, headers=AUTH, timeout=60)
         assert response.status_code < 500, f"{case.body!r} -> {response.status_code} {response.text}"
         if response.status_code >= 400:

@@ -22,11 +22,14 @@ from inferno.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeChatRequest, TokenizeRequest,
     TokenizeResponse)
+from inferno.server.protocol_responses import DeletedResponse, ResponsesRequest, ResponsesResponse
+from inferno.server.response_store import ResponseStore
 from inferno.server.serving import OpenAIError, OpenAIServing, server_error
 from inferno.server.serving_chat import ServingChat
 from inferno.server.serving_completion import ServingCompletion
+from inferno.server.serving_responses import ServingResponses
 
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 500, 503)}
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 500, 503)}
 
 
 class APIKeyMiddleware:
@@ -56,10 +59,15 @@ def _needs_api_key(path: str) -> bool:
 
 
 def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry, api_key: str | None = None,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              response_store: ResponseStore | None = None) -> FastAPI:
     """The app serving `async_llm`; the engine thread starts and stops with the app's lifespan."""
     completions = ServingCompletion(async_llm, model_name)
     chat = ServingChat(async_llm, model_name, tool_call_parser, reasoning_parser)
+    if response_store is None:
+        defaults = ServerConfig()
+        response_store = ResponseStore(defaults.responses_store_max_items, defaults.responses_store_max_bytes)
+    responses = ServingResponses(chat, response_store)
     tokenizer = OpenAIServing(async_llm, model_name)
 
     @asynccontextmanager
@@ -117,6 +125,18 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(request, raw_request)
 
+    @app.post("/v1/responses", response_model=ResponsesResponse, responses=ERROR_RESPONSES)
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses=ERROR_RESPONSES)
+    async def retrieve_response(response_id: str) -> ResponsesResponse:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=ERROR_RESPONSES)
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete(response_id)
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         tokenizer.check_model(request.model)
@@ -171,7 +191,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine, config.max_waiting_requests, [PrometheusStatLogger(registry, model_name)])
     app = build_app(async_llm, model_name, registry, config.api_key, config.tool_call_parser,
-                    config.reasoning_parser)
+                    config.reasoning_parser,
+                    ResponseStore(config.responses_store_max_items, config.responses_store_max_bytes))
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                     access_log=not config.disable_uvicorn_access_log, timeout_graceful_shutdown=5)

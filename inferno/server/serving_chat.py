@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from inferno.engine.async_llm import EngineDeadError, RequestFailedError, RequestStream
 from inferno.outputs import Logprob, PositionLogprobs
+from inferno.sampling_params import SamplingParams
 from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
 from inferno.server.protocol import (
     AssistantMessage, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -38,6 +39,21 @@ class ServingChat(OpenAIServing):
         return ChatOutputParser(reasoning_parser(self.reasoning_parser), tools)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        prompt, params = self.prepare(request)
+        request_id = f"chatcmpl-{request_id_of(raw_request)}"
+        streams = await self.add_requests(request_id, [prompt], params)
+        headers = {"X-Request-Id": request_id}
+        if request.stream:
+            return EngineStreamingResponse(self.stream(request, request_id, prompt, streams[0]),
+                                           on_close=partial(self.abort_unfinished, streams), headers=headers)
+        try:
+            return await cancel_on_disconnect(raw_request,
+                                              self.collect(request, request_id, prompt, streams[0], headers))
+        finally:
+            self.abort_unfinished(streams)
+
+    def prepare(self, request: ChatCompletionRequest) -> tuple[EnginePrompt, SamplingParams]:
+        """The checked prompt and sampling parameters of a chat request (OpenAIError when it is bad)."""
         self.check_model(request.model)
         self.check_sampling(request)
         self.check_chat_options(request)
@@ -55,17 +71,7 @@ class ServingChat(OpenAIServing):
         if request.tools and request.tool_choice in (None, "auto") and self.tool_call_parser is not None:
             # tool-call markup such as <tool_call> may be special tokens: the parser must see them
             params = replace(params, skip_special_tokens=False)
-        request_id = f"chatcmpl-{request_id_of(raw_request)}"
-        streams = await self.add_requests(request_id, [prompt], params)
-        headers = {"X-Request-Id": request_id}
-        if request.stream:
-            return EngineStreamingResponse(self.stream(request, request_id, prompt, streams[0]),
-                                           on_close=partial(self.abort_unfinished, streams), headers=headers)
-        try:
-            return await cancel_on_disconnect(raw_request,
-                                              self.collect(request, request_id, prompt, streams[0], headers))
-        finally:
-            self.abort_unfinished(streams)
+        return prompt, params
 
     @staticmethod
     def check_chat_options(request: ChatCompletionRequest) -> None:
