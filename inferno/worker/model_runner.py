@@ -3,6 +3,7 @@ import atexit
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 import types
@@ -21,10 +22,12 @@ from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.layers.super_blocks import SuperBlockLinear
+from inferno.openmp import release_thread_pool, run_ops_on_this_thread
 from inferno.model.llama import LlamaForCausalLM
 from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.pipeline import run_first_stage, run_later_stage
+from inferno.worker.compile_cache import clear_compile_cache, compile_cache_hits, use_compile_cache
 from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.huge_pages import move_weights_to_huge_pages
@@ -43,6 +46,8 @@ WARM_UP_NICENESS = 10
 # seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
 # GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
 WARM_UP_DELAY = 1.0
+# seconds the serving thread may wait for the GIL while the warm-up compiles (Python's default is 5 ms)
+WARM_UP_SWITCH_INTERVAL = 0.0002
 # seconds the interpreter's exit waits for a warm-up thread to stop (see stop_warm_ups)
 WARM_UP_STOP_WAIT = 10.0
 
@@ -141,12 +146,23 @@ class ModelRunner:
         """The warm-up thread, at a lower OS priority (Linux), as are the compiler processes it starts, so serving
         keeps its core."""
         lower_thread_priority()
+        switch_interval = sys.getswitchinterval()
         try:
             self.first_step_done.wait(WARM_UP_DELAY)
             with self.tiling:  # after the first step (or before any, on an idle engine), unless the second did
                 self._tile_once()
             if compile_decode:
-                self._compile_decode_step()
+                # the rest runs its ops on this thread: a second OpenMP pool slows every step (inferno/openmp.py);
+                # the graphs' parallel loops are generated for the serving thread's count
+                threads = torch.get_num_threads()
+                release_thread_pool()
+                run_ops_on_this_thread()
+                # Tracing and code generation hold the GIL, which the serving thread gives up in every op call
+                # and then waits for, up to a switch interval each time (the convoy effect): at the default 5 ms,
+                # a SmolLM2 decode step's few hundred calls took seconds
+                sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
+                self._compile_decode_step(threads)
+                sys.setswitchinterval(switch_interval)
             if self.device.type == "cpu":
                 try:
                     move_weights_to_huge_pages(self.model)
@@ -245,7 +261,7 @@ class ModelRunner:
         meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills)
         return self.model(input_ids, positions, meta, hidden)
 
-    def _compile_decode_step(self) -> None:
+    def _compile_decode_step(self, num_threads: int) -> None:
         """The compile thread: build the decode graphs, then hand them to the serving thread (`compiled_decode`),
         which picks them up at its next step.
 
@@ -263,28 +279,49 @@ class ModelRunner:
         hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
         modules. The warm-up calls do run the graphs on the real caches, but write only the scratch block. What is
         shared is dynamo's compile stance (process-wide): DYNAMO_STANCE keeps it to one thread at a time."""
-        compiled = torch.compile(with_own_code(self._decode_forward), dynamic=None, options={
-            "guard_filter_fn": skip_module_and_global_guards, "emulate_precision_casts": True,
-            "cpp_wrapper": True, **vector_width_option()})
+        folder = use_compile_cache()
         start = time.perf_counter()
         try:
             with DYNAMO_STANCE, torch.inference_mode():
-                # the graph for one sequence, then the dynamic-batch one (three-block tables: equal sizes would be
-                # tied together), all on the scratch block
-                slot = self.scratch_block * self.block_size
-                for batch in (1, 2):
-                    inputs = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
-                              torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
-                              torch.ones(batch, dtype=torch.long))
-                    if batch == 1:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
-                        self._decode_forward(*inputs)
-                    self._run_compiled_decode(compiled, *inputs, stance="default")
+                compiled = self._compile_graphs(num_threads)
+                if compiled is None:  # an entry of the cache failed to load: compile without it, once
+                    clear_compile_cache(folder)
+                    compiled = self._compile_graphs(num_threads)
         except Exception:
             logger.exception("compiling the decode step failed; decode steps stay eager")
             return
         self.compiled_decode = compiled
-        logger.info("decode steps run compiled from now on (compiled in the background in %.1f s)",
-                    time.perf_counter() - start)
+        logger.info("decode steps run compiled from now on (warmed up in %.1f s; compile cache %s)",
+                    time.perf_counter() - start, folder)
+
+    def _compile_graphs(self, num_threads: int):
+        """The compiled decode step with its two graphs built (their loops parallel over `num_threads`), with
+        DYNAMO_STANCE held; None if that failed where the compile cache had an entry for it (a library cut short,
+        say), which the caller then clears."""
+        compiled = torch.compile(with_own_code(self._decode_forward), dynamic=None, options={
+            "guard_filter_fn": skip_module_and_global_guards, "emulate_precision_casts": True,
+            "cpp_wrapper": True, "cpp.threads": num_threads, **vector_width_option()})
+        # the graph for one sequence, then the dynamic-batch one (three-block tables: equal sizes would be tied
+        # together), all on the scratch block
+        slot = self.scratch_block * self.block_size
+        for batch in (1, 2):
+            inputs = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
+                      torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
+                      torch.ones(batch, dtype=torch.long))
+            if batch == 1:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
+                self._decode_forward(*inputs)
+            start, hits = time.perf_counter(), compile_cache_hits()
+            try:
+                self._run_compiled_decode(compiled, *inputs, stance="default")
+            except Exception:
+                if compile_cache_hits() == hits:
+                    raise
+                logger.exception("a compiled decode graph from the compile cache failed; compiling afresh")
+                return None
+            logger.info("decode graph for %s compiled in %.1f s (%s)", "one sequence" if batch == 1 else "batches",
+                        time.perf_counter() - start, "from the compile cache" if compile_cache_hits() > hits
+                        else "not in the compile cache")
+        return compiled
 
     @staticmethod
     def _run_compiled_decode(compiled, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
