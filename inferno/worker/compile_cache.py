@@ -9,7 +9,7 @@ torch gets a new entry by itself. What the key lacks is the CPU: inductor builds
 home folder can be shared by machines with different CPUs, so the folder is one per CPU (`cpu_key`). Entries are
 written to a temporary file and renamed (a concurrent writer is harmless), an unreadable one is skipped with a
 warning and rebuilt; an entry whose library fails to load is handled by the model runner (the folder is cleared and
-the step compiled afresh, see `clear_compile_cache`).
+the step compiled afresh: `clear_compile_cache`).
 """
 import logging
 import os
@@ -23,8 +23,9 @@ logger = logging.getLogger("inferno")
 
 def compile_cache_dir() -> Path:
     """INFERNO_COMPILE_CACHE, else inferno/compile under XDG_CACHE_HOME (~/.cache); one folder per CPU in it."""
-    root = os.environ.get("INFERNO_COMPILE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inferno" / "compile"
-    return Path(root) / cpu_key()
+    if os.environ.get("INFERNO_COMPILE_CACHE"):
+        return Path(os.environ["INFERNO_COMPILE_CACHE"]) / cpu_key()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inferno" / "compile" / cpu_key()
 
 
 def use_compile_cache() -> Path:
@@ -46,7 +47,12 @@ def use_compile_cache() -> Path:
 
 
 def clear_compile_cache(folder: Path) -> None:
-    """Remove every entry of `folder` (a process still reading one keeps its open files)."""
+    """Remove every entry of `folder` if it is inferno's (a process still reading one keeps its open files); a
+    folder of the user's (TORCHINDUCTOR_CACHE_DIR) is left alone and the compile runs without inductor's caches."""
+    if folder != compile_cache_dir():
+        import torch._inductor.config
+        torch._inductor.config.force_disable_caches = True
+        return
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
 
