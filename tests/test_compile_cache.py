@@ -25,7 +25,8 @@ params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=Tru
 engines = {"compiled": False, "eager": True} if sys.argv[2] == "both" else {"compiled": False}
 result = {}
 for name, enforce_eager in engines.items():
-    llm = LLM(sys.argv[1], kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=enforce_eager)
+    llm = LLM(sys.argv[1], kv_cache_memory=int(sys.argv[3]) << 20, enable_prefix_caching=False,
+              enforce_eager=enforce_eager)
     result[name + "_ready"] = llm.llm_engine.model_runner.wait_for_warm_up()
     out = llm.generate(["def fibonacci(n):", "The capital"], params, use_tqdm=False)
     result[name] = [[o.outputs[0].token_ids, [{str(t): p.logprob for t, p in lp.items()} for lp in o.outputs[0].logprobs]]
@@ -35,11 +36,11 @@ print(json.dumps(result))
 """
 
 
-def start(model: Path, cache: Path, engines: str = "compiled") -> dict:
+def start(model: Path, cache: Path, engines: str = "compiled", kv_cache_mib: int = 16) -> dict:
     """A new process: the model's compiled (and, with "both", eager) answers, and torch's compile counters."""
     env = dict(os.environ, INFERNO_COMPILE_CACHE=str(cache), PYTHONPATH=str(ROOT))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", START, str(model), engines], env=env, cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", START, str(model), engines, str(kv_cache_mib)], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -78,9 +79,11 @@ def test_second_start_loads_the_compiled_step_and_gets_the_same_bits(models, fir
     assert second["compiled"] == first["compiled"]
 
 
-def test_another_model_of_the_same_shapes_reuses_the_graphs_with_its_own_weights(models, first_start):
+def test_another_model_of_the_same_shapes_and_another_pool_size_reuse_the_graphs(models, first_start):
+    """Another file's weights (inputs of the graphs, not constants) get their own results; a KV pool of 1280 blocks
+    instead of 1024 (the pool follows the memory available at each start) is made with the same capacity."""
     cache, first = first_start
-    other = start(models[1], cache, engines="both")
+    other = start(models[1], cache, engines="both", kv_cache_mib=20)
     assert compiled_graphs(other) == 0
     assert other["compiled"] == other["eager"]  # its own weights, bit for bit
     assert other["compiled"] != first["compiled"]

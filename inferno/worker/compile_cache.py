@@ -61,3 +61,13 @@ def compile_cache_hits() -> int:
     """Graphs this process has loaded from inductor's caches so far (FX graph and AOTAutograd)."""
     from torch._dynamo.utils import counters
     return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def stable_block_capacity(num_blocks: int) -> int:
+    """The blocks a CPU KV cache tensor is made with: `num_blocks` rounded up to a power of two. The compiled
+    decode step is specialised on the caches' shapes, while the pool's size follows the memory available at start-up,
+    which differs at every start (two starts of SmolLM2 here: 27004 and 21810 blocks), so each start compiled anew;
+    starts whose pools round to the same power share their graphs. The blocks past the pool (and its scratch block)
+    are never touched, and a CPU cache's pages are backed only once touched (`lazily_zeroed`): they cost address
+    space, not memory."""
+    return 1 << (num_blocks - 1).bit_length()

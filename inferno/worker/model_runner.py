@@ -27,7 +27,8 @@ from inferno.model.llama import LlamaForCausalLM
 from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.pipeline import run_first_stage, run_later_stage
-from inferno.worker.compile_cache import clear_compile_cache, compile_cache_hits, use_compile_cache
+from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, stable_block_capacity,
+                                         use_compile_cache)
 from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.huge_pages import move_weights_to_huge_pages
@@ -82,6 +83,8 @@ class ModelRunner:
         fast_decode = not engine_config.enforce_eager and parallel.world_size == 1 and self.config.moe is None
         self.scratch_block = num_blocks if fast_decode else None
         self.num_cache_blocks = num_blocks + fast_decode
+        if fast_decode and device.type == "cpu":  # the compiled step's shapes the same from start to start
+            self.num_cache_blocks = stable_block_capacity(self.num_cache_blocks)
         self.attention = select_attention_backend(
             engine_config.attention_backend, device, self.block_size, model.attention_layers[0].num_kv_heads,
             self.num_cache_blocks, self.config.head_dim, self.config.sliding_window, quantized_kv,
