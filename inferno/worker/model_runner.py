@@ -273,9 +273,10 @@ class ModelRunner:
         of a SmolLM2 decode step on 2 AVX2 cores, benchmarks/RESULTS.md). Only the batch size and the block-table
         width are dynamic (marked in `_run_compiled_decode`); everything else, the KV caches included, is static
         (their block capacity stays the same from start to start: `stable_block_capacity`; with `dynamic=True`
-        their sizes became symbols: 486 shape guards checked at every step, 0.3 ms, and a slower batch graph). Guards on the modules and globals are skipped because the weights and caches stay the
-        same tensors for the runner's lifetime, so each runner compiles its own copy of the function
-        (graphs are cached per code object: a draft model's runner must not find the target's). The layers call the
+        their sizes became symbols: 486 shape guards checked at every step, 0.3 ms, and a slower batch graph).
+        Guards on the modules and globals are skipped because the weights and caches stay the same tensors for the
+        runner's lifetime, so each runner compiles its own copy of the function (graphs are cached per code
+        object: a draft model's runner must not find the target's). The layers call the
         same native kernels traced as eager (layers/fused_cpu.py), so both paths give the same bits.
 
         Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
