@@ -29,8 +29,8 @@ for name, enforce_eager in engines.items():
               enforce_eager=enforce_eager)
     result[name + "_ready"] = llm.llm_engine.model_runner.wait_for_warm_up()
     out = llm.generate(["def fibonacci(n):", "The capital"], params, use_tqdm=False)
-    result[name] = [[o.outputs[0].token_ids, [{str(t): p.logprob for t, p in lp.items()} for lp in o.outputs[0].logprobs]]
-                    for o in out]
+    result[name] = [[o.outputs[0].token_ids,
+                     [{str(t): p.logprob for t, p in lp.items()} for lp in o.outputs[0].logprobs]] for o in out]
 result["counters"] = {k: dict(v) for k, v in counters.items()}
 print(json.dumps(result))
 """
@@ -40,8 +40,8 @@ def start(model: Path, cache: Path, engines: str = "compiled", kv_cache_mib: int
     """A new process: the model's compiled (and, with "both", eager) answers, and torch's compile counters."""
     env = dict(os.environ, INFERNO_COMPILE_CACHE=str(cache), PYTHONPATH=str(ROOT))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", START, str(model), engines, str(kv_cache_mib)], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-c", START, str(model), engines, str(kv_cache_mib)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     result["log"] = out.stderr
