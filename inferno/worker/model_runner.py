@@ -3,6 +3,7 @@ import atexit
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 import types
@@ -21,10 +22,13 @@ from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.layers.super_blocks import SuperBlockLinear
+from inferno.openmp import release_thread_pool, run_ops_on_this_thread
 from inferno.model.llama import LlamaForCausalLM
 from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.pipeline import run_first_stage, run_later_stage
+from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, stable_block_capacity,
+                                         use_compile_cache)
 from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.huge_pages import move_weights_to_huge_pages
@@ -43,6 +47,8 @@ WARM_UP_NICENESS = 10
 # seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
 # GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
 WARM_UP_DELAY = 1.0
+# seconds the serving thread may wait for the GIL while the warm-up compiles (Python's default is 5 ms)
+WARM_UP_SWITCH_INTERVAL = 0.0002
 # seconds the interpreter's exit waits for a warm-up thread to stop (see stop_warm_ups)
 WARM_UP_STOP_WAIT = 10.0
 
@@ -77,6 +83,8 @@ class ModelRunner:
         fast_decode = not engine_config.enforce_eager and parallel.world_size == 1 and self.config.moe is None
         self.scratch_block = num_blocks if fast_decode else None
         self.num_cache_blocks = num_blocks + fast_decode
+        if fast_decode and device.type == "cpu":  # the compiled step's shapes the same from start to start
+            self.num_cache_blocks = stable_block_capacity(self.num_cache_blocks)
         self.attention = select_attention_backend(
             engine_config.attention_backend, device, self.block_size, model.attention_layers[0].num_kv_heads,
             self.num_cache_blocks, self.config.head_dim, self.config.sliding_window, quantized_kv,
@@ -141,12 +149,23 @@ class ModelRunner:
         """The warm-up thread, at a lower OS priority (Linux), as are the compiler processes it starts, so serving
         keeps its core."""
         lower_thread_priority()
+        switch_interval = sys.getswitchinterval()
         try:
             self.first_step_done.wait(WARM_UP_DELAY)
             with self.tiling:  # after the first step (or before any, on an idle engine), unless the second did
                 self._tile_once()
             if compile_decode:
-                self._compile_decode_step()
+                # the rest runs its ops on this thread: a second OpenMP pool slows every step (inferno/openmp.py);
+                # the graphs' parallel loops are generated for the serving thread's count
+                threads = torch.get_num_threads()
+                release_thread_pool()
+                run_ops_on_this_thread()
+                # Tracing and code generation hold the GIL, which the serving thread gives up in every op call
+                # and then waits for, up to a switch interval each time (the convoy effect): at the default 5 ms,
+                # a SmolLM2 decode step's few hundred calls took seconds
+                sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
+                self._compile_decode_step(threads)
+                sys.setswitchinterval(switch_interval)
             if self.device.type == "cpu":
                 try:
                     move_weights_to_huge_pages(self.model)
@@ -245,7 +264,7 @@ class ModelRunner:
         meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills)
         return self.model(input_ids, positions, meta, hidden)
 
-    def _compile_decode_step(self) -> None:
+    def _compile_decode_step(self, num_threads: int) -> None:
         """The compile thread: build the decode graphs, then hand them to the serving thread (`compiled_decode`),
         which picks them up at its next step.
 
@@ -253,38 +272,60 @@ class ModelRunner:
         wrapper is C++ too (`cpp_wrapper`: its ~8 kernel and operator calls per layer cost no Python, about 5-10%
         of a SmolLM2 decode step on 2 AVX2 cores, benchmarks/RESULTS.md). Only the batch size and the block-table
         width are dynamic (marked in `_run_compiled_decode`); everything else, the KV caches included, is static
-        (with `dynamic=True` their sizes became symbols: 486 shape guards checked at every step, 0.3 ms, and a
-        slower batch graph). Guards on the modules and globals are skipped because the weights and caches stay the
-        same tensors for the runner's lifetime, so each runner compiles its own copy of the function
-        (graphs are cached per code object: a draft model's runner must not find the target's). The layers call the
+        (their block capacity stays the same from start to start: `stable_block_capacity`; with `dynamic=True`
+        their sizes became symbols: 486 shape guards checked at every step, 0.3 ms, and a slower batch graph).
+        Guards on the modules and globals are skipped because the weights and caches stay the same tensors for the
+        runner's lifetime, so each runner compiles its own copy of the function (graphs are cached per code
+        object: a draft model's runner must not find the target's). The layers call the
         same native kernels traced as eager (layers/fused_cpu.py), so both paths give the same bits.
 
         Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
         hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
         modules. The warm-up calls do run the graphs on the real caches, but write only the scratch block. What is
         shared is dynamo's compile stance (process-wide): DYNAMO_STANCE keeps it to one thread at a time."""
-        compiled = torch.compile(with_own_code(self._decode_forward), dynamic=None, options={
-            "guard_filter_fn": skip_module_and_global_guards, "emulate_precision_casts": True,
-            "cpp_wrapper": True, **vector_width_option()})
+        folder = use_compile_cache()
         start = time.perf_counter()
         try:
             with DYNAMO_STANCE, torch.inference_mode():
-                # the graph for one sequence, then the dynamic-batch one (three-block tables: equal sizes would be
-                # tied together), all on the scratch block
-                slot = self.scratch_block * self.block_size
-                for batch in (1, 2):
-                    inputs = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
-                              torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
-                              torch.ones(batch, dtype=torch.long))
-                    if batch == 1:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
-                        self._decode_forward(*inputs)
-                    self._run_compiled_decode(compiled, *inputs, stance="default")
+                compiled = self._compile_graphs(num_threads)
+                if compiled is None:  # an entry of the cache failed to load: compile without it, once
+                    clear_compile_cache(folder)
+                    compiled = self._compile_graphs(num_threads)
         except Exception:
             logger.exception("compiling the decode step failed; decode steps stay eager")
             return
         self.compiled_decode = compiled
-        logger.info("decode steps run compiled from now on (compiled in the background in %.1f s)",
-                    time.perf_counter() - start)
+        logger.info("decode steps run compiled from now on (warmed up in %.1f s; compile cache %s)",
+                    time.perf_counter() - start, folder)
+
+    def _compile_graphs(self, num_threads: int):
+        """The compiled decode step with its two graphs built (their loops parallel over `num_threads`), with
+        DYNAMO_STANCE held; None if that failed where the compile cache had an entry for it (a library cut short,
+        say), which the caller then clears."""
+        compiled = torch.compile(with_own_code(self._decode_forward), dynamic=None, options={
+            "guard_filter_fn": skip_module_and_global_guards, "emulate_precision_casts": True,
+            "cpp_wrapper": True, "cpp.threads": num_threads, **vector_width_option()})
+        # the graph for one sequence, then the dynamic-batch one (three-block tables: equal sizes would be tied
+        # together), all on the scratch block
+        slot = self.scratch_block * self.block_size
+        for batch in (1, 2):
+            inputs = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
+                      torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
+                      torch.ones(batch, dtype=torch.long))
+            if batch == 1:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
+                self._decode_forward(*inputs)
+            start, hits = time.perf_counter(), compile_cache_hits()
+            try:
+                self._run_compiled_decode(compiled, *inputs, stance="default")
+            except Exception:
+                if compile_cache_hits() == hits:
+                    raise
+                logger.exception("a compiled decode graph from the compile cache failed; compiling afresh")
+                return None
+            logger.info("decode graph for %s compiled in %.1f s (%s)", "one sequence" if batch == 1 else "batches",
+                        time.perf_counter() - start, "from the compile cache" if compile_cache_hits() > hits
+                        else "not in the compile cache")
+        return compiled
 
     @staticmethod
     def _run_compiled_decode(compiled, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
