@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from inferno.engine.async_llm import EngineDeadError, RequestFailedError, RequestStream
 from inferno.outputs import Logprob, PositionLogprobs
+from inferno.sampling_params import StructuredOutputsParams
 from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
 from inferno.server.protocol import (
     AssistantMessage, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -38,6 +39,23 @@ class ServingChat(OpenAIServing):
         return ChatOutputParser(reasoning_parser(self.reasoning_parser), tools)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        prompt, constraint = self.render(request)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        self.check_length(prompt, max_tokens, "max_completion_tokens")
+        request_id = f"chatcmpl-{request_id_of(raw_request)}"
+        streams = await self.start(request, request_id, prompt, max_tokens, constraint)
+        headers = {"X-Request-Id": request_id}
+        if request.stream:
+            return EngineStreamingResponse(self.stream(request, request_id, prompt, streams[0]),
+                                           on_close=partial(self.abort_unfinished, streams), headers=headers)
+        try:
+            return await cancel_on_disconnect(raw_request,
+                                              self.collect(request, request_id, prompt, streams[0], headers))
+        finally:
+            self.abort_unfinished(streams)
+
+    def render(self, request: ChatCompletionRequest) -> tuple[EnginePrompt, StructuredOutputsParams | None]:
+        """The checked request's prompt, and the constraint its tool_choice needs."""
         self.check_model(request.model)
         self.check_sampling(request)
         self.check_chat_options(request)
@@ -48,24 +66,17 @@ class ServingChat(OpenAIServing):
                               "or structured_outputs", param="tool_choice")
         prompt = self.chat_prompt(request.messages, request.add_generation_prompt,
                                   tools_for_template(request.tools, request.tool_choice), request.chat_template_kwargs)
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        self.check_length(prompt, max_tokens, "max_completion_tokens")
+        return prompt, constraint
+
+    async def start(self, request: ChatCompletionRequest, request_id: str, prompt: EnginePrompt,
+                    max_tokens: int | None, constraint: StructuredOutputsParams | None) -> list[RequestStream]:
+        """The engine request of a rendered prompt."""
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, num_logprobs, structured_outputs=constraint)
         if request.tools and request.tool_choice in (None, "auto") and self.tool_call_parser is not None:
             # tool-call markup such as <tool_call> may be special tokens: the parser must see them
             params = replace(params, skip_special_tokens=False)
-        request_id = f"chatcmpl-{request_id_of(raw_request)}"
-        streams = await self.add_requests(request_id, [prompt], params)
-        headers = {"X-Request-Id": request_id}
-        if request.stream:
-            return EngineStreamingResponse(self.stream(request, request_id, prompt, streams[0]),
-                                           on_close=partial(self.abort_unfinished, streams), headers=headers)
-        try:
-            return await cancel_on_disconnect(raw_request,
-                                              self.collect(request, request_id, prompt, streams[0], headers))
-        finally:
-            self.abort_unfinished(streams)
+        return await self.add_requests(request_id, [prompt], params)
 
     @staticmethod
     def check_chat_options(request: ChatCompletionRequest) -> None:
