@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, health and Prometheus metrics; `run_server` starts it."""
+"""The FastAPI app: OpenAI routes, Anthropic's Messages routes, tokenizer routes, health and Prometheus metrics;
+`run_server` starts it."""
 import asyncio
 import secrets
 from contextlib import asynccontextmanager
@@ -71,7 +72,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     """The app serving `async_llm`; the engine thread starts and stops with the app's lifespan."""
     completions = ServingCompletion(async_llm, model_name)
     chat = ServingChat(async_llm, model_name, tool_call_parser, reasoning_parser)
-    messages = ServingMessages(async_llm, model_name, tool_call_parser, reasoning_parser)
+    messages = ServingMessages(chat)
     tokenizer = OpenAIServing(async_llm, model_name)
 
     @asynccontextmanager

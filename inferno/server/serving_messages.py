@@ -41,42 +41,50 @@ def anthropic_error_response(error: OpenAIError) -> Response:
     return Response(body.model_dump_json(), status_code=status, media_type="application/json")
 
 
-class ServingMessages(ServingChat):
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise OpenAIError(f"model: the model `{model}` does not exist; this server serves `{self.model_name}`",
-                              status_code=404, param="model")
+class ServingMessages:
+    """Anthropic's routes in front of the chat completions serving."""
+
+    def __init__(self, chat: ServingChat):
+        self.chat = chat
+
+    def check_model(self, model: str) -> None:
+        """Anthropic answers an unknown model with a 404."""
+        if model != self.chat.model_name:
+            raise OpenAIError(f"model: the model `{model}` does not exist; this server serves "
+                              f"`{self.chat.model_name}`", status_code=404, param="model")
 
     def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
-        prompt, _ = self.render(chat_request_of(request))
+        self.check_model(request.model)
+        prompt, _ = self.chat.render(chat_request_of(request))
         return CountTokensResponse(input_tokens=len(prompt.token_ids))
 
     async def create(self, request: MessagesRequest, raw_request: Request) -> Response:
+        self.check_model(request.model)
         chat_request = chat_request_of(request)
-        prompt, constraint = self.render(chat_request)
+        prompt, constraint = self.chat.render(chat_request)
         # max_tokens is required and clients ask for a lot (Claude Code 32000, whatever the model): the answer may
         # use what the context leaves (a prompt alone too long is still a 400, from the engine's checks)
-        max_tokens = max(1, min(request.max_tokens, self.max_model_len - len(prompt.token_ids)))
+        max_tokens = max(1, min(request.max_tokens, self.chat.max_model_len - len(prompt.token_ids)))
         request_id = f"msg_{request_id_of(raw_request)}"
-        streams = await self.start(chat_request, request_id, prompt, max_tokens, constraint)
-        reply = MessageReply(self, request, chat_request, max_tokens < request.max_tokens)
+        streams = await self.chat.start(chat_request, request_id, prompt, max_tokens, constraint)
+        reply = MessageReply(self.chat, request, chat_request, max_tokens < request.max_tokens)
         headers = {"X-Request-Id": request_id, "request-id": request_id}
         if request.stream:
             return EngineStreamingResponse(reply.stream(request_id, prompt, streams[0]),
-                                           on_close=partial(self.abort_unfinished, streams), headers=headers)
+                                           on_close=partial(self.chat.abort_unfinished, streams), headers=headers)
         try:
             return await cancel_on_disconnect(raw_request, reply.collect(request_id, prompt, streams[0], headers))
         finally:
-            self.abort_unfinished(streams)
+            self.chat.abort_unfinished(streams)
 
 
 class MessageReply:
     """One request's reply, read as chat's would be and returned as Anthropic's message or events."""
 
-    def __init__(self, serving: ServingMessages, request: MessagesRequest, chat_request: ChatCompletionRequest,
+    def __init__(self, chat: ServingChat, request: MessagesRequest, chat_request: ChatCompletionRequest,
                  cut_to_context: bool):
-        self.model_name = serving.model_name
-        self.parser = serving.output_parser(chat_request)
+        self.model_name = chat.model_name
+        self.parser = chat.output_parser(chat_request)
         self.thinking = request.thinking is not None and request.thinking.enabled
         choice = request.tool_choice
         self.max_tool_uses = 1 if choice is not None and choice.disable_parallel_tool_use else None
