@@ -5,7 +5,12 @@ import json
 import anthropic
 import httpx
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
 
+from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
+from inferno.server.messages_output import ContentBlockEvents, content_blocks, sse_event
+from inferno.server.reasoning import reasoning_parser
+from inferno.server.tool_parsers import HermesToolParser
 from test_server import RemoteServer
 
 API_KEY = "messages-key"
@@ -89,7 +94,7 @@ def test_message_text_is_chat_completions_greedy_reply(server, client):
     chat = server.client().chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "system", "content": SYSTEM}, *QUESTION], max_completion_tokens=12,
         temperature=0)
-    assert message.content[0].text == chat.choices[0].message.content
+    assert message.content[0].text == chat.choices[0].message.content.rstrip()  # trailing whitespace is not sent
     assert message.usage.input_tokens == chat.usage.prompt_tokens
     assert message.usage.output_tokens == chat.usage.completion_tokens
 
@@ -314,3 +319,40 @@ def test_thinking_blocks_carry_chat_completions_reasoning(thinking_server):
                                 thinking=thinking) as stream:
         assert dumped(stream.get_final_message().content) == dumped(message.content)
     assert create(client, thinking={"type": "disabled"}).content == []
+
+
+# streamed blocks, without a server: what a model that thinks and calls tools writes (SmolLM2 does neither)
+HERMES_REPLY = ('<think>The user wants weather and time.</think>\nLet me look both up.\n<tool_call>\n'
+                '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+                '{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>')
+
+
+def sdk_accumulated(events: list[str]):
+    """The message the anthropic SDK's stream helper assembles from server-sent events."""
+    snapshot, json_bufs = None, {}
+    for event in events:
+        data = json.loads(event.split("\ndata: ", 1)[1])
+        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=json_bufs)
+    return snapshot
+
+
+@pytest.mark.parametrize("max_tool_uses", [None, 1])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_streamed_blocks_add_up_to_the_whole_message(thinking, max_tool_uses):
+    parser = ChatOutputParser(reasoning_parser("qwen3"), HermesToolParser())
+    whole = content_blocks(parser.parse(HERMES_REPLY, final=True), thinking, max_tool_uses)
+    tracker, blocks = ChatDeltaTracker(parser), ContentBlockEvents(thinking, max_tool_uses)
+    events = [sse_event({"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+                                                             "content": [], "model": "m", "usage": {}}})]
+    chunks = [HERMES_REPLY[i:i + 3] for i in range(0, len(HERMES_REPLY), 3)]
+    for i, chunk in enumerate(chunks):
+        delta = tracker.delta(chunk, final=i == len(chunks) - 1)
+        events += blocks.events(delta) if delta is not None else []
+    events += blocks.stop()
+    streamed = sdk_accumulated(events).content
+    expected = (["thinking"] if thinking else []) + ["text"] + ["tool_use"] * (max_tool_uses or 2)
+    assert [b.type for b in whole] == [b.type for b in streamed] == expected
+    for mine, theirs in zip(whole, streamed):
+        assert mine.model_dump(exclude={"id"}) == {k: v for k, v in theirs.to_dict().items() if k != "id"}
+    assert whole[-1].input == ({"city": "Paris"} if max_tool_uses else {"zone": "Europe/Paris"})
+    assert blocks.num_tool_uses == (max_tool_uses or 2)

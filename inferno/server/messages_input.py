@@ -118,7 +118,7 @@ def chat_request_of(request: CountTokensRequest) -> ChatCompletionRequest:
     fields: dict[str, Any] = {}
     if isinstance(request, MessagesRequest):
         fields = {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-                  "stop": request.stop_sequences, "stream": request.stream}
+                  "stop": request.stop_sequences}
     choice = request.tool_choice
     thinking = request.thinking is not None and request.thinking.enabled
     try:

@@ -23,12 +23,13 @@ def tool_input(arguments: str) -> dict[str, Any]:
 
 
 def content_blocks(parsed: ParsedMessage, thinking: bool, max_tool_uses: int | None) -> list[ContentBlock]:
-    """The blocks of a finished reply, as the stream's events add them up (whitespace alone is no text block)."""
+    """The blocks of a finished reply, as the stream's events add them up: the text without trailing whitespace
+    (the whitespace before and between tool calls), none when it is whitespace alone."""
     blocks: list[ContentBlock] = []
     if thinking and parsed.reasoning:
         blocks.append(ThinkingBlock(thinking=parsed.reasoning))
-    if parsed.content.strip():
-        blocks.append(TextBlock(text=parsed.content))
+    if text := parsed.content.rstrip():
+        blocks.append(TextBlock(text=text))
     for call in parsed.calls[:max_tool_uses]:
         blocks.append(ToolUseBlock(id=new_tool_use_id(), name=call.name, input=tool_input(call.arguments)))
     return blocks
@@ -54,7 +55,8 @@ def sse_event(data: dict[str, Any]) -> str:
 
 class ContentBlockEvents:
     """Content block events from a chat stream's DeltaMessages: a block starts when the kind of delta changes
-    (thinking, text, each tool call) and stops when the next one starts or the reply ends."""
+    (thinking, text, each tool call) and stops when the next one starts or the reply ends. Whitespace at the end
+    of the text so far waits for more text: whitespace that ends the text is not sent."""
 
     def __init__(self, thinking: bool, max_tool_uses: int | None):
         self.thinking = thinking
@@ -62,6 +64,7 @@ class ContentBlockEvents:
         self.index = -1
         self.open_kind: str | None = None  # "thinking", "text" or "tool_use:<call index>"
         self.num_tool_uses = 0
+        self.pending_space = ""
 
     def events(self, delta: DeltaMessage) -> list[str]:
         events = []
@@ -69,8 +72,12 @@ class ContentBlockEvents:
             events += self.start("thinking", ThinkingBlock(thinking=""))
             events.append(self.delta({"type": "thinking_delta", "thinking": delta.reasoning_content}))
         if delta.content:
-            events += self.start("text", TextBlock(text=""))
-            events.append(self.delta({"type": "text_delta", "text": delta.content}))
+            text = self.pending_space + delta.content
+            body = text.rstrip()
+            self.pending_space = text[len(body):]
+            if body:
+                events += self.start("text", TextBlock(text=""))
+                events.append(self.delta({"type": "text_delta", "text": body}))
         for call in delta.tool_calls or []:
             if self.max_tool_uses is not None and call.index >= self.max_tool_uses:
                 continue
@@ -86,6 +93,7 @@ class ContentBlockEvents:
         if kind == self.open_kind:
             return []
         events = self.stop()
+        self.pending_space = ""
         self.index += 1
         self.open_kind = kind
         return events + [sse_event({"type": "content_block_start", "index": self.index,

@@ -42,7 +42,7 @@ class ToolChoice(AnthropicModel):
 
 class ThinkingConfig(AnthropicModel):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = Field(None, ge=1)  # how much the model may think is its own business here
+    budget_tokens: int | None = Field(None, ge=1)  # accepted, not enforced: only max_tokens bounds the reply
 
     @property
     def enabled(self) -> bool:
