@@ -51,7 +51,7 @@ def client(server) -> anthropic.Anthropic:
 
 def create(client: anthropic.Anthropic, **kwargs):
     """A greedy message (this SDK no longer names temperature, top_p or top_k: they go as extra fields)."""
-    return client.messages.create(**({"model": MODEL_NAME, "max_tokens": 12, "messages": QUESTION,
+    return client.messages.create(**({"model": MODEL_NAME, "max_tokens": 8, "messages": QUESTION,
                                       "extra_body": GREEDY} | kwargs))
 
 
@@ -92,7 +92,7 @@ def test_message_text_is_chat_completions_greedy_reply(server, client):
     assert [b.type for b in message.content] == ["text"]
     assert message.stop_reason in ("end_turn", "max_tokens") and message.stop_sequence is None
     chat = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "system", "content": SYSTEM}, *QUESTION], max_completion_tokens=12,
+        model=MODEL_NAME, messages=[{"role": "system", "content": SYSTEM}, *QUESTION], max_completion_tokens=8,
         temperature=0)
     assert message.content[0].text == chat.choices[0].message.content.rstrip()  # trailing whitespace is not sent
     assert message.usage.input_tokens == chat.usage.prompt_tokens
@@ -100,15 +100,15 @@ def test_message_text_is_chat_completions_greedy_reply(server, client):
 
 
 def test_streamed_and_non_streamed_messages_agree(client):
-    message = create(client, max_tokens=16)
-    streamed = list(create(client, max_tokens=16, stream=True))
+    message = create(client, max_tokens=8)
+    streamed = list(create(client, max_tokens=8, stream=True))
     assert streamed[0].type == "message_start" and streamed[-1].type == "message_stop"
     text = "".join(e.delta.text for e in streamed if e.type == "content_block_delta")
     assert text == message.content[0].text
     [delta] = [e for e in streamed if e.type == "message_delta"]
     assert delta.delta.stop_reason == message.stop_reason
     assert delta.usage.output_tokens == message.usage.output_tokens
-    with client.messages.stream(model=MODEL_NAME, max_tokens=16, messages=QUESTION, extra_body=GREEDY) as stream:
+    with client.messages.stream(model=MODEL_NAME, max_tokens=8, messages=QUESTION, extra_body=GREEDY) as stream:
         assert "".join(stream.text_stream) == message.content[0].text
         final = stream.get_final_message()
     assert dumped(final.content) == dumped(message.content) and final.stop_reason == message.stop_reason
@@ -129,14 +129,14 @@ def test_stream_follows_anthropics_event_sequence(server):
 
 
 def test_max_tokens_and_stop_sequences_set_the_stop_reason(client):
-    long = create(client, max_tokens=12, messages=STORY)
-    assert long.stop_reason == "max_tokens" and long.usage.output_tokens == 12
+    long = create(client, max_tokens=10, messages=STORY)
+    assert long.stop_reason == "max_tokens" and long.usage.output_tokens == 10
     text = long.content[0].text
     word = text.split()[2]
-    stopped = create(client, max_tokens=12, messages=STORY, stop_sequences=[word])
+    stopped = create(client, max_tokens=10, messages=STORY, stop_sequences=[word])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
     assert stopped.content[0].text == text[:text.index(word)]
-    streamed = client.messages.stream(model=MODEL_NAME, max_tokens=12, messages=STORY, extra_body=GREEDY,
+    streamed = client.messages.stream(model=MODEL_NAME, max_tokens=10, messages=STORY, extra_body=GREEDY,
                                       stop_sequences=[word])
     with streamed as stream:
         final = stream.get_final_message()
@@ -312,10 +312,10 @@ def test_thinking_blocks_carry_chat_completions_reasoning(thinking_server):
     thinking = {"type": "enabled", "budget_tokens": 1024}
     message = create(client, thinking=thinking)
     chat = thinking_server.client().chat.completions.create(model=MODEL_NAME, messages=QUESTION, temperature=0,
-                                                            max_completion_tokens=12)
+                                                            max_completion_tokens=8)
     assert [b.type for b in message.content] == ["thinking"]
     assert message.content[0].thinking == chat.choices[0].message.reasoning_content
-    with client.messages.stream(model=MODEL_NAME, max_tokens=12, messages=QUESTION, extra_body=GREEDY,
+    with client.messages.stream(model=MODEL_NAME, max_tokens=8, messages=QUESTION, extra_body=GREEDY,
                                 thinking=thinking) as stream:
         assert dumped(stream.get_final_message().content) == dumped(message.content)
     assert create(client, thinking={"type": "disabled"}).content == []
