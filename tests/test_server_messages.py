@@ -9,6 +9,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 
 from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
 from inferno.server.messages_output import ContentBlockEvents, content_blocks, sse_event
+from inferno.server.protocol import DeltaMessage
 from inferno.server.reasoning import reasoning_parser
 from inferno.server.tool_parsers import HermesToolParser
 from test_server import RemoteServer
@@ -336,15 +337,16 @@ def sdk_accumulated(events: list[str]):
     return snapshot
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, 7])
 @pytest.mark.parametrize("max_tool_uses", [None, 1])
 @pytest.mark.parametrize("thinking", [True, False])
-def test_streamed_blocks_add_up_to_the_whole_message(thinking, max_tool_uses):
+def test_streamed_blocks_add_up_to_the_whole_message(thinking, max_tool_uses, chunk_size):
     parser = ChatOutputParser(reasoning_parser("qwen3"), HermesToolParser())
     whole = content_blocks(parser.parse(HERMES_REPLY, final=True), thinking, max_tool_uses)
     tracker, blocks = ChatDeltaTracker(parser), ContentBlockEvents(thinking, max_tool_uses)
     events = [sse_event({"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
                                                              "content": [], "model": "m", "usage": {}}})]
-    chunks = [HERMES_REPLY[i:i + 3] for i in range(0, len(HERMES_REPLY), 3)]
+    chunks = [HERMES_REPLY[i:i + chunk_size] for i in range(0, len(HERMES_REPLY), chunk_size)]
     for i, chunk in enumerate(chunks):
         delta = tracker.delta(chunk, final=i == len(chunks) - 1)
         events += blocks.events(delta) if delta is not None else []
@@ -356,3 +358,13 @@ def test_streamed_blocks_add_up_to_the_whole_message(thinking, max_tool_uses):
         assert mine.model_dump(exclude={"id"}) == {k: v for k, v in theirs.to_dict().items() if k != "id"}
     assert whole[-1].input == ({"city": "Paris"} if max_tool_uses else {"zone": "Europe/Paris"})
     assert blocks.num_tool_uses == (max_tool_uses or 2)
+
+
+def test_whitespace_is_held_only_until_more_text_comes():
+    blocks = ContentBlockEvents(thinking=False, max_tool_uses=None)
+    events = [sse_event({"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+                                                             "content": [], "model": "m", "usage": {}}})]
+    for text in ("Hello ", " ", "world\n", "!\n\n"):
+        events += blocks.events(DeltaMessage(content=text))
+    events += blocks.stop()
+    assert [b.text for b in sdk_accumulated(events).content] == ["Hello  world\n!"]

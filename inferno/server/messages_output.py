@@ -74,10 +74,10 @@ class ContentBlockEvents:
         if delta.content:
             text = self.pending_space + delta.content
             body = text.rstrip()
-            self.pending_space = text[len(body):]
             if body:
                 events += self.start("text", TextBlock(text=""))
                 events.append(self.delta({"type": "text_delta", "text": body}))
+            self.pending_space = text[len(body):]
         for call in delta.tool_calls or []:
             if self.max_tool_uses is not None and call.index >= self.max_tool_uses:
                 continue
@@ -93,7 +93,7 @@ class ContentBlockEvents:
         if kind == self.open_kind:
             return []
         events = self.stop()
-        self.pending_space = ""
+        self.pending_space = ""  # whitespace before another block is not sent
         self.index += 1
         self.open_kind = kind
         return events + [sse_event({"type": "content_block_start", "index": self.index,
