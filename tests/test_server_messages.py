@@ -95,7 +95,7 @@ def test_message_text_is_chat_completions_greedy_reply(server, client):
     chat = server.client().chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "system", "content": SYSTEM}, *QUESTION], max_completion_tokens=8,
         temperature=0)
-    assert message.content[0].text == chat.choices[0].message.content.rstrip()  # trailing whitespace is not sent
+    assert message.content[0].text == chat.choices[0].message.content
     assert message.usage.input_tokens == chat.usage.prompt_tokens
     assert message.usage.output_tokens == chat.usage.completion_tokens
 
@@ -350,7 +350,7 @@ def test_streamed_blocks_add_up_to_the_whole_message(thinking, max_tool_uses, ch
     for i, chunk in enumerate(chunks):
         delta = tracker.delta(chunk, final=i == len(chunks) - 1)
         events += blocks.events(delta) if delta is not None else []
-    events += blocks.stop()
+    events += blocks.finish()
     streamed = sdk_accumulated(events).content
     expected = (["thinking"] if thinking else []) + ["text"] + ["tool_use"] * (max_tool_uses or 2)
     assert [b.type for b in whole] == [b.type for b in streamed] == expected
@@ -366,5 +366,5 @@ def test_whitespace_is_held_only_until_more_text_comes():
                                                              "content": [], "model": "m", "usage": {}}})]
     for text in ("Hello ", " ", "world\n", "!\n\n"):
         events += blocks.events(DeltaMessage(content=text))
-    events += blocks.stop()
-    assert [b.text for b in sdk_accumulated(events).content] == ["Hello  world\n!"]
+    events += blocks.finish()
+    assert [b.text for b in sdk_accumulated(events).content] == ["Hello  world\n!\n\n"]

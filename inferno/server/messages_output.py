@@ -23,14 +23,15 @@ def tool_input(arguments: str) -> dict[str, Any]:
 
 
 def content_blocks(parsed: ParsedMessage, thinking: bool, max_tool_uses: int | None) -> list[ContentBlock]:
-    """The blocks of a finished reply, as the stream's events add them up: the text without trailing whitespace
-    (the whitespace before and between tool calls), none when it is whitespace alone."""
+    """The blocks of a finished reply, as the stream's events add them up: no text block for whitespace alone, and
+    none of the whitespace before and between tool calls."""
     blocks: list[ContentBlock] = []
     if thinking and parsed.reasoning:
         blocks.append(ThinkingBlock(thinking=parsed.reasoning))
-    if text := parsed.content.rstrip():
-        blocks.append(TextBlock(text=text))
-    for call in parsed.calls[:max_tool_uses]:
+    calls = parsed.calls[:max_tool_uses]
+    if parsed.content.strip():
+        blocks.append(TextBlock(text=parsed.content.rstrip() if calls else parsed.content))
+    for call in calls:
         blocks.append(ToolUseBlock(id=new_tool_use_id(), name=call.name, input=tool_input(call.arguments)))
     return blocks
 
@@ -56,7 +57,8 @@ def sse_event(data: dict[str, Any]) -> str:
 class ContentBlockEvents:
     """Content block events from a chat stream's DeltaMessages: a block starts when the kind of delta changes
     (thinking, text, each tool call) and stops when the next one starts or the reply ends. Whitespace at the end
-    of the text so far waits for more text: whitespace that ends the text is not sent."""
+    of the text so far waits: it is sent with more text or when the reply ends in the text, not before another
+    block."""
 
     def __init__(self, thinking: bool, max_tool_uses: int | None):
         self.thinking = thinking
@@ -101,6 +103,12 @@ class ContentBlockEvents:
 
     def delta(self, delta: dict[str, Any]) -> str:
         return sse_event({"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def finish(self) -> list[str]:
+        """The events that end the reply."""
+        if self.open_kind == "text" and self.pending_space:
+            return [self.delta({"type": "text_delta", "text": self.pending_space})] + self.stop()
+        return self.stop()
 
     def stop(self) -> list[str]:
         if self.open_kind is None:

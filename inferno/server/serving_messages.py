@@ -127,7 +127,7 @@ class MessageReply:
         except (RequestFailedError, EngineDeadError) as e:
             yield sse_event(anthropic_error_body(server_error(str(e)))[1].model_dump())
             return
-        for event in blocks.stop():
+        for event in blocks.finish():
             yield event
         stop_reason, stop_sequence = stop_reason_of(finish_reason, stop_reason, blocks.num_tool_uses > 0,
                                                     self.cut_to_context)
