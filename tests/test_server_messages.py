@@ -274,7 +274,7 @@ def test_invalid_request_raises_the_clients_bad_request_error(client):
 
 def test_unknown_model_is_not_found(client):
     with pytest.raises(anthropic.NotFoundError) as raised:
-        create(client, model="claude-sonnet-4-5")
+        create(client, model="not-the-served-model")
     assert raised.value.body["error"]["type"] == "not_found_error"
 
 
