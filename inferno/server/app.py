@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, health and Prometheus metrics; `run_server` starts it."""
+"""The FastAPI app: OpenAI routes, Anthropic's Messages routes, tokenizer routes, health and Prometheus metrics;
+`run_server` starts it."""
 import asyncio
 import secrets
 from contextlib import asynccontextmanager
@@ -22,19 +23,23 @@ from inferno.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeChatRequest, TokenizeRequest,
     TokenizeResponse)
+from inferno.server.protocol_anthropic import (
+    AnthropicErrorResponse, CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest)
 from inferno.server.protocol_responses import DeletedResponse, ResponsesRequest, ResponsesResponse
 from inferno.server.response_store import ResponseStore
 from inferno.server.serving import OpenAIError, OpenAIServing, server_error
 from inferno.server.serving_chat import ServingChat
 from inferno.server.serving_completion import ServingCompletion
+from inferno.server.serving_messages import ServingMessages, anthropic_error_response, is_messages_route
 from inferno.server.serving_responses import ServingResponses
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 500, 503)}
+ANTHROPIC_ERROR_RESPONSES = {status: {"model": AnthropicErrorResponse} for status in (400, 401, 404, 500, 529)}
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <api_key>`, on /v1 and the tokenizer routes (pure ASGI: streams
-    and disconnects pass through untouched)."""
+    """401 unless `Authorization: Bearer <api_key>` (or Anthropic's `x-api-key: <api_key>`), on /v1 and the
+    tokenizer routes (pure ASGI: streams and disconnects pass through untouched)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -42,20 +47,27 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _needs_api_key(scope["path"]) and not self._authorized(scope):
-            error = OpenAIError("Incorrect or missing API key. Send it as `Authorization: Bearer <key>`.",
-                                status_code=401, code="invalid_api_key")
-            await error.response()(scope, receive, send)
+            error = OpenAIError("Incorrect or missing API key. Send it as `Authorization: Bearer <key>` or "
+                                "`x-api-key: <key>`.", status_code=401, code="invalid_api_key")
+            await error_response(scope["path"], error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = token.strip() if scheme.lower() == b"bearer" else b""
+        keys = (bearer, headers.get(b"x-api-key", b"").strip())
+        return any(secrets.compare_digest(key, self.api_key) for key in keys)
 
 
 def _needs_api_key(path: str) -> bool:
     return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
+
+
+def error_response(path: str, error: OpenAIError) -> Response:
+    """OpenAI's error body, or Anthropic's on Anthropic's routes."""
+    return anthropic_error_response(error) if is_messages_route(path) else error.response()
 
 
 def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry, api_key: str | None = None,
@@ -68,6 +80,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
         defaults = ServerConfig()
         response_store = ResponseStore(defaults.responses_store_max_items, defaults.responses_store_max_bytes)
     responses = ServingResponses(chat, response_store)
+    messages = ServingMessages(chat)
     tokenizer = OpenAIServing(async_llm, model_name)
 
     @asynccontextmanager
@@ -81,20 +94,20 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, error: OpenAIError) -> Response:
-        return error.response()
+    async def openai_error(request: Request, error: OpenAIError) -> Response:
+        return error_response(request.url.path, error)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> Response:
-        return validation_error_of(error).response()
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        return error_response(request.url.path, validation_error_of(error))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> Response:
-        return OpenAIError(str(error.detail), status_code=error.status_code).response()
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return error_response(request.url.path, OpenAIError(str(error.detail), status_code=error.status_code))
 
     @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, error: Exception) -> Response:
-        return server_error(f"internal error: {type(error).__name__}: {error}").response()
+    async def unexpected_error(request: Request, error: Exception) -> Response:
+        return error_response(request.url.path, server_error(f"internal error: {type(error).__name__}: {error}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -136,6 +149,14 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=ERROR_RESPONSES)
     async def delete_response(response_id: str) -> DeletedResponse:
         return responses.delete(response_id)
+
+    @app.post("/v1/messages", response_model=MessageResponse, responses=ANTHROPIC_ERROR_RESPONSES)
+    async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+        return await messages.create(request, raw_request)
+
+    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=ANTHROPIC_ERROR_RESPONSES)
+    async def count_message_tokens(request: CountTokensRequest) -> CountTokensResponse:
+        return messages.count_tokens(request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from inferno.engine.async_llm import EngineDeadError, RequestFailedError, RequestStream
 from inferno.outputs import Logprob, PositionLogprobs
-from inferno.sampling_params import SamplingParams
+from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
 from inferno.server.protocol import (
     AssistantMessage, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -54,6 +54,13 @@ class ServingChat(OpenAIServing):
 
     def prepare(self, request: ChatCompletionRequest) -> tuple[EnginePrompt, SamplingParams]:
         """The checked prompt and sampling parameters of a chat request (OpenAIError when it is bad)."""
+        prompt, constraint = self.render(request)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        self.check_length(prompt, max_tokens, "max_completion_tokens")
+        return prompt, self.engine_params(request, max_tokens, constraint)
+
+    def render(self, request: ChatCompletionRequest) -> tuple[EnginePrompt, StructuredOutputsParams | None]:
+        """The checked request's prompt, and the constraint its tool_choice needs."""
         self.check_model(request.model)
         self.check_sampling(request)
         self.check_chat_options(request)
@@ -64,14 +71,17 @@ class ServingChat(OpenAIServing):
                               "or structured_outputs", param="tool_choice")
         prompt = self.chat_prompt(request.messages, request.add_generation_prompt,
                                   tools_for_template(request.tools, request.tool_choice), request.chat_template_kwargs)
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        self.check_length(prompt, max_tokens, "max_completion_tokens")
+        return prompt, constraint
+
+    def engine_params(self, request: ChatCompletionRequest, max_tokens: int | None,
+                      constraint: StructuredOutputsParams | None) -> SamplingParams:
+        """The sampling parameters of a rendered request, its tool_choice's constraint included."""
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, num_logprobs, structured_outputs=constraint)
         if request.tools and request.tool_choice in (None, "auto") and self.tool_call_parser is not None:
             # tool-call markup such as <tool_call> may be special tokens: the parser must see them
             params = replace(params, skip_special_tokens=False)
-        return prompt, params
+        return params
 
     @staticmethod
     def check_chat_options(request: ChatCompletionRequest) -> None:
