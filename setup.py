@@ -30,4 +30,16 @@ def kernel_library(level) -> CppExtension:
                         extra_compile_args=["-O3", "-g0", *level.cflags, "-fopenmp"], extra_link_args=["-fopenmp"])
 
 
-setup(ext_modules=[kernel_library(level) for level in levels_to_build()], cmdclass={"build_ext": BuildExtension})
+class BuildKernels(BuildExtension):
+    """Each level's objects in a folder of their own (the sources are the same): a rebuild compiles what changed."""
+
+    def build_extension(self, ext):
+        build_temp = self.build_temp
+        self.build_temp = os.path.join(build_temp, ext.name.rpartition(".")[2])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = build_temp
+
+
+setup(ext_modules=[kernel_library(level) for level in levels_to_build()], cmdclass={"build_ext": BuildKernels})

@@ -1,10 +1,10 @@
 """The native kernel tests' helpers. `needs_kernels`: they skip only where the kernels are switched off
 (INFERNO_DISABLE_CPP_KERNELS=1); a kernel library that failed to build or load fails them instead.
 
-`isa_level_run`: the installed kernel library of each ISA level, run in a fresh process capped at that level (INFERNO_CPU_ISA;
-one library per process), so that each level's paths run on this CPU: the AVX-512 VNNI one, AVX2 with and without
-AVX-VNNI (the maddubs sums of most AVX2 CPUs) and the plain loops of `scalar`. A level this CPU cannot run is
-skipped."""
+`isa_level_run`: the installed kernel library of each ISA level, run in a fresh process capped at that level
+(INFERNO_CPU_ISA; one library per process), so that each level's paths run on this CPU: the AVX-512 VNNI one, AVX2
+with and without AVX-VNNI (the maddubs sums of most AVX2 CPUs) and the plain loops of `scalar`. A level this CPU
+cannot run is skipped."""
 import os
 import subprocess
 import sys

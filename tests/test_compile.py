@@ -11,14 +11,13 @@ from torch._dynamo.utils import counters
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.cpu_features import cpu_flags
-from inferno.kernels import paged_attention, q4_k_gemv
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker import model_runner
 from inferno.worker.model_runner import ModelRunner, vector_width_option
-from tiny_gguf import T, write_tiny_gguf
 from native_kernels import needs_kernels
+from tiny_gguf import T, write_tiny_gguf
 from tiny_models import write_hf_model
 
 pytestmark = needs_kernels

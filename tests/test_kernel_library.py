@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,22 +78,39 @@ def test_an_installed_package_runs_the_native_kernels_without_a_compiler(tmp_pat
     assert out.stdout.strip() == "False"
 
 
-@needs_kernels
-def test_a_broken_kernel_library_is_one_line_at_start_up(tmp_path):
-    """A copy of the package whose library is cut short: `inferno env` starts, says in one warning line which slow
-    path runs and how to fix it, and reports the kernels as unavailable."""
+def env_of_a_copy(tmp_path: Path, library: bytes, edited: str | None = None) -> tuple[str, list[str]]:
+    """`inferno env` run on a copy of the package holding `library` as its kernel library for this CPU (and
+    `edited`, a kernel file, touched after it): its output and its warnings about the kernels."""
     shutil.copytree(ROOT / "inferno", tmp_path / "inferno", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    broken = tmp_path / "inferno" / "kernels" / kernel_library().path.name
-    broken.write_bytes(kernel_library().path.read_bytes()[:4096])
+    kernels = tmp_path / "inferno" / "kernels"
+    (kernels / kernel_library().path.name).write_bytes(library)
+    if edited:
+        later = time.time() + 600
+        os.utime(kernels / edited, (later, later))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", "from inferno.entrypoints.cli import main; main(['env'])"],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    warnings = [line for line in out.stderr.splitlines() if "kernel" in line.lower()]
-    assert len(warnings) == 1, out.stderr
+    return out.stdout, [line for line in out.stderr.splitlines() if "kernel" in line.lower()]
+
+
+@needs_kernels
+def test_a_broken_kernel_library_is_one_line_at_start_up(tmp_path):
+    """A library cut short: `inferno env` starts, says in one warning line which slow path runs and how to fix
+    it, and reports the kernels as unavailable."""
+    out, warnings = env_of_a_copy(tmp_path, kernel_library().path.read_bytes()[:4096])
+    assert len(warnings) == 1, warnings
     assert "native CPU kernels unavailable" in warnings[0] and "PyTorch paths" in warnings[0]
-    assert "pip install -e ." in warnings[0]
-    assert "native kernels: unavailable" in out.stdout
+    assert "reinstall inferno with a C++ compiler" in warnings[0] and "docs/kernels.md" in warnings[0]
+    assert "native kernels: unavailable" in out
+
+
+@needs_kernels
+def test_a_kernel_source_edited_after_the_build_is_one_line_at_start_up(tmp_path):
+    out, warnings = env_of_a_copy(tmp_path, kernel_library().path.read_bytes(), edited="fused_ops.cpp")
+    assert len(warnings) == 1, warnings
+    assert "fused_ops.cpp changed after" in warnings[0] and "make kernels" in warnings[0]
+    assert f"native kernels: {kernel_library().level} (" in out  # the old code still runs
 
 
 def test_inferno_env_reports_what_a_bug_report_needs(capsys):

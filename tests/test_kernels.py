@@ -2,10 +2,6 @@
 against float32/float64 PyTorch references: every row count of a decode step and more, output rows that fill no
 whole thread chunk or row block, columns ending in a partial chunk, every group size, with and without mins,
 extreme codes; the builds are keyed by the CPU."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch

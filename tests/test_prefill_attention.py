@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inferno.kernels import paged_attention
 from inferno.layers.attention import Attention
 from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
 from inferno.layers.attention.torch_backend import TorchAttentionBackend

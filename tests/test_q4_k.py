@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from inferno.kernels import q4_k_gemv
 from inferno import LLM, SamplingParams
+from inferno.kernels.library import kernels_disabled
 from inferno.layers import q4_k
 from inferno.layers.q4_k import Q4KBlocks, Q4KLinear
 from inferno.layers.quantization import Int4Linear
@@ -19,7 +19,6 @@ from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
 from inferno.worker.huge_pages import tensor_span, weight_ranges
 from inferno.worker import model_runner
-from inferno.kernels.library import kernels_disabled
 from native_kernels import EACH_ISA_LEVEL, isa_level_outputs, isa_level_tiles_outputs, needs_kernels
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks, write_tiny_gguf

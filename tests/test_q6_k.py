@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from inferno.kernels import q6_k_gemv
+from inferno.kernels.library import kernels_disabled
 from inferno.layers import q6_k
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
-from inferno.kernels.library import kernels_disabled
 from native_kernels import EACH_ISA_LEVEL, isa_level_outputs, isa_level_tiles_outputs, needs_kernels
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks

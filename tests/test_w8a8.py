@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from conftest import FLOAT32, prefill_logits
 from inferno import LLM
 from inferno.entrypoints.cli import main
-from inferno.kernels import w8a8_activations
 from inferno.layers.activation_calibration import SMOOTHING, smoothing_factors
 from inferno.layers.w8a8 import W8A8_FROM_ROWS, W8A8Linear, hadamard, quantize_w8a8, rotate
 from native_kernels import needs_kernels

@@ -33,6 +33,11 @@ def kernels_line() -> str:
     return f"{library.level} ({library.path})" if library else "unavailable: PyTorch paths (see the warning above)"
 
 
+def cap_note() -> str:
+    cap = os.environ.get("INFERNO_CPU_ISA")
+    return f" (capped by INFERNO_CPU_ISA={cap})" if cap else ""
+
+
 def gpu_lines() -> list[str]:
     if not torch.cuda.is_available():
         return ["GPU: none (CUDA not available)"]
@@ -63,8 +68,7 @@ def report() -> list[str]:
         f"OS: {platform.platform()}",
         f"CPU: {info.get('model name', platform.processor() or platform.machine())}, {cpu_count()} usable "
         f"of {os.cpu_count()} logical CPUs",
-        f"CPU SIMD flags: {' '.join(f for f in SIMD_FLAGS if f in cpu_flags()) or 'none'}"
-        + (f" (capped by INFERNO_CPU_ISA={os.environ['INFERNO_CPU_ISA']})" if os.environ.get("INFERNO_CPU_ISA") else ""),
+        f"CPU SIMD flags: {' '.join(f for f in SIMD_FLAGS if f in cpu_flags()) or 'none'}{cap_note()}",
         f"ISA levels: this CPU runs {', '.join(level.name for level in supported_isa_levels())}; "
         f"installed {', '.join(installed) or 'none'}",
         f"native kernels: {kernels_line()}",

@@ -19,7 +19,8 @@ from inferno.cpu_features import ISA_LEVELS, cpu_key, isa_cflags, supported_isa_
 logger = logging.getLogger("inferno")
 KERNELS = Path(__file__).parent
 SOURCES = tuple(sorted(path.name for path in KERNELS.glob("*.cpp")))
-FIX = "reinstall inferno with a C++ compiler (`pip install -e .` in its source folder), then see `inferno env`"
+FIX = ("fix: reinstall inferno with a C++ compiler (`pip install --no-build-isolation -e .` in its folder; "
+       "docs/kernels.md)")
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def chosen_library() -> KernelLibrary:
                                "`make kernels` (or `pip install -e .`)", ", ".join(edited), path.name)
             return KernelLibrary(level.name, path)
     built = [level.name for level in ISA_LEVELS if installed_library(level.name)]
-    raise KernelsUnavailable(f"no kernel library in {KERNELS} for this CPU ({', '.join(built) or 'none'} built)")
+    raise KernelsUnavailable(f"no kernel library for this CPU in {KERNELS}; built: {', '.join(built) or 'none'}")
 
 
 def sources_edited_after(library: Path) -> list[str]:

@@ -12,9 +12,7 @@
 //    each below).
 // 3. `int8_q8_dequantize` and `int4_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill.
 // Built once per ISA level (inferno/cpu_features.py): AVX-512 VNNI paths, AVX2 paths (Zen 2/3, Haswell on; AVX-VNNI
-// where the compiler defines it), and plain loops for anything else. Multiply-adds of floats may fuse (the ISA
-// levels with FMA then round them once), as with -ffp-contract=fast: the kernels' sums are specified to a tolerance.
-#pragma GCC optimize("fp-contract=fast")
+// where the compiler defines it), and plain loops for anything else.
 #include "kernel.h"
 
 #include "quantized_rows.h"
