@@ -39,21 +39,38 @@ def test_the_installed_library_of_the_best_level_this_cpu_runs_is_loaded():
     assert torch.ops.inferno.rms_norm.default is not None
 
 
+def install_every_level(monkeypatch, folder: Path):
+    """Libraries of every level (empty files) in `folder`, as the install's."""
+    for level in ISA_LEVELS:
+        (folder / f"_kernels_{level.name}.so").touch()
+    monkeypatch.setattr("inferno.kernels.library.installed_library", lambda name: folder / f"_kernels_{name}.so")
+
+
 @pytest.mark.parametrize("level", CPUS)
-def test_each_cpu_gets_the_best_level_it_runs(monkeypatch, level):
+def test_each_cpu_gets_the_best_level_it_runs(monkeypatch, tmp_path, level):
     monkeypatch.setattr("inferno.cpu_features.cpu_info", lambda: {"flags": CPUS[level]})
-    monkeypatch.setattr("inferno.kernels.library.installed_library", lambda name: KERNELS / f"_kernels_{name}.so")
+    install_every_level(monkeypatch, tmp_path)
     assert chosen_library().level == level
 
 
 @pytest.mark.parametrize("cap", [level.name for level in ISA_LEVELS])
-def test_an_isa_cap_picks_that_level_or_the_best_below_it(monkeypatch, cap):
+def test_an_isa_cap_picks_that_level_or_the_best_below_it(monkeypatch, tmp_path, cap):
     monkeypatch.setattr("inferno.cpu_features.cpu_info", lambda: {"flags": SAPPHIRE_RAPIDS})
-    monkeypatch.setattr("inferno.kernels.library.installed_library", lambda name: KERNELS / f"_kernels_{name}.so")
+    install_every_level(monkeypatch, tmp_path)
     monkeypatch.setenv("INFERNO_CPU_ISA", cap)
     assert chosen_library().level == cap
     monkeypatch.setattr("inferno.cpu_features.cpu_info", lambda: {"flags": CPUS["avx2"]})  # no VNNI at all
     assert chosen_library().level == ("scalar" if cap == "scalar" else "avx2")
+
+
+def test_a_level_missing_from_the_install_runs_the_best_below_it_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr("inferno.cpu_features.cpu_info", lambda: {"flags": SAPPHIRE_RAPIDS})
+    install_every_level(monkeypatch, tmp_path)
+    (tmp_path / "_kernels_avx512.so").unlink()
+    monkeypatch.setattr("inferno.kernels.library.installed_library",
+                        lambda name: path if (path := tmp_path / f"_kernels_{name}.so").is_file() else None)
+    assert chosen_library().level == "avx2_vnni"
+    assert "the avx512 library is missing, running the avx2_vnni one" in caplog.text
 
 
 @needs_kernels
