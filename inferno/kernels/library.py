@@ -67,6 +67,20 @@ def chosen_library() -> KernelLibrary:
     raise KernelsUnavailable(f"no kernel library for this CPU in {KERNELS}; built: {', '.join(built) or 'none'}")
 
 
+def check_not_cut_short(library: Path):
+    """Raises where an ELF library ends before its section headers (an install or build interrupted): loading it
+    would die of SIGBUS instead of raising."""
+    with open(library, "rb") as f:
+        header = f.read(64)
+    if header[:5] != b"\x7fELF\x02":  # 64-bit ELF; dlopen itself rejects what is not a library
+        return
+    order = "little" if header[5] == 1 else "big"
+    sections_offset = int.from_bytes(header[0x28:0x30], order)
+    sections_end = sections_offset + int.from_bytes(header[0x3A:0x3C], order) * int.from_bytes(header[0x3C:0x3E], order)
+    if library.stat().st_size < sections_end:
+        raise KernelsUnavailable(f"{library.name} is cut short ({library.stat().st_size} of {sections_end} bytes)")
+
+
 def sources_edited_after(library: Path) -> list[str]:
     """The kernel sources edited after `library` was built (with a minute's slack: a wheel's files are written in
     any order)."""
@@ -83,6 +97,7 @@ def load_kernel_library() -> KernelLibrary | None:
         return None
     try:
         library = chosen_library()
+        check_not_cut_short(library.path)
         torch.ops.load_library(str(library.path))
     except Exception as e:  # missing, built against another torch, cut short: keep serving on the PyTorch path
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
