@@ -11,16 +11,16 @@ from torch._dynamo.utils import counters
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.cpu_features import cpu_flags
-from inferno.kernels import paged_attention, q4_k_gemv
 from inferno.layers.quantization import Int4Linear, Q8Linear
 from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker import model_runner
 from inferno.worker.model_runner import ModelRunner, vector_width_option
+from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
 from tiny_models import write_hf_model
 
-pytestmark = pytest.mark.skipif(paged_attention() is None, reason="the compiled decode step needs the native kernel")
+pytestmark = needs_kernels
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three facts about the Moon:\n1."]
 PARAMS = SamplingParams(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True)
@@ -65,7 +65,7 @@ def test_compiled_decode_matches_eager(model, engine_args):
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for other batch sizes or table widths
 
 
-@pytest.mark.skipif(q4_k_gemv() is None, reason="the Q4_K kernels could not be built")
+@needs_kernels
 @pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear),
                                                (T.Q8_0, Q8Linear)])
 def test_compiled_decode_runs_the_tiles_the_warm_up_made(tmp_path, qtype, layer_type):

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from inferno.kernels import fused_ops
 from inferno.layers.norm import RMSNorm
 from inferno.layers.rotary import apply_rotary
-from narrow_builds import narrow_build_run
+from native_kernels import EACH_ISA_LEVEL, isa_level_run, needs_kernels
 
-pytestmark = pytest.mark.skipif(fused_ops() is None, reason="no C++ compiler for the native kernels")
+pytestmark = needs_kernels
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -84,8 +84,9 @@ def test_rotary_matches_pytorch(dtype, head_dim):
     assert torch.equal(qkv, before)
 
 
-def test_avx2_build_matches_pytorch(tmp_path):
-    """The 8-lane path (AVX2 + FMA + F16C, as on CPUs without AVX-512), built here with -mno-avx512f."""
+@EACH_ISA_LEVEL
+def test_each_isa_level_matches_pytorch(tmp_path, level):
+    """The 16-lane path (AVX-512), the 8-lane one (AVX2 + FMA + F16C) and the plain loops."""
     torch.manual_seed(0)
     x, residual, weight = torch.randn(7, 200), torch.randn(7, 200), torch.rand(200) + 0.5
     gate_up = torch.randn(7, 2 * 100).bfloat16()
@@ -93,8 +94,7 @@ def test_avx2_build_matches_pytorch(tmp_path):
     rotations = torch.randn(7, 1, 40, 2)
     code = ("x, r, w, gu, qk, rot = inputs\nops = torch.ops.inferno\n"
             "outputs = (ops.add_rms_norm(x, r, w, 1e-6), ops.silu_and_mul(gu), ops.rotary(qk, rot))")
-    (out, total), silu, rotated = narrow_build_run(tmp_path, ["fused_ops.cpp"], "-mno-avx512f", code,
-                                                   (x, residual, weight, gate_up, qk, rotations))
+    (out, total), silu, rotated = isa_level_run(tmp_path, level, code, (x, residual, weight, gate_up, qk, rotations))
     assert torch.equal(total, residual + x)
     torch.testing.assert_close(out, pytorch_norm(residual + x, weight, 1e-6), rtol=2e-6, atol=2e-6)
     gate, up = gate_up.float().chunk(2, dim=-1)

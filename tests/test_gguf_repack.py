@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from inferno.kernels import gguf_repack
 from inferno.layers.quantization import Int4Linear, pack_int4
 from inferno.layers.quantization import GroupQuantized
 from inferno.loader.gguf_blocks import (INT4_TYPES, Q8_TYPES, int4_groups, int4_rows, pack_int4_shards, q8_groups,
                                         q8_groups_reference)
+from native_kernels import needs_kernels
 from tiny_gguf import T, random_blocks
 
-pytestmark = pytest.mark.skipif(gguf_repack() is None, reason="native kernels unavailable")
+pytestmark = needs_kernels
 
 # (rows, columns): one row; odd rows with K = 21 or 24 blocks of 32 (a chunk of 16, then a partial one); 2 full chunks
 SHAPES = [(1, 256), (7, 768), (13, 512 * 2)]

@@ -2,23 +2,20 @@
 against float32/float64 PyTorch references: every row count of a decode step and more, output rows that fill no
 whole thread chunk or row block, columns ending in a partial chunk, every group size, with and without mins,
 extreme codes; the builds are keyed by the CPU."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from inferno.cpu_features import cpu_flags, cpu_key, has_native_bfloat16, isa_cflags
-from inferno.kernels import extension_name, quantized_gemv
+from inferno.kernels import quantized_gemv
+from inferno.kernels.library import extension_name, kernels_disabled
 from inferno.layers import quantization
 from inferno.layers.quantization import (Int4Linear, Q8Groups, Q8Linear, ZeroPointInt4, quantize_int4,
                                          quantize_q8_symmetric)
-from narrow_builds import NARROW_BUILDS, narrow_build_int4_tiles_outputs, narrow_build_q8_tiles_outputs
+from native_kernels import (EACH_ISA_LEVEL, isa_level_int4_tiles_outputs, isa_level_q8_tiles_outputs,
+                            needs_kernels)
 
-needs_kernel = pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17]
 
 
@@ -46,7 +43,7 @@ def assert_close_to(y: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-5) -> N
     torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("group_size", [16, 32])
 @pytest.mark.parametrize("with_mins", [False, True])
 @pytest.mark.parametrize("m", ROWS)
@@ -62,7 +59,7 @@ def test_q8_kernel_matches_float_sums_of_the_quantized_rows(m, n, k, group_size,
     assert_close_to(y, ref)
 
 
-@needs_kernel
+@needs_kernels
 def test_q8_kernel_rejects_bad_inputs():
     weight = random_q8_groups(16, 64, 32, with_mins=True, seed=0)
     kernel = quantized_gemv().int8_q8_matmul
@@ -80,7 +77,7 @@ def test_q8_kernel_rejects_bad_inputs():
     assert kernel(torch.randn(0, 64), weight.codes, weight.scales, None, 32).shape == (0, 16)
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("group_size", [16, 32])
 @pytest.mark.parametrize("with_mins", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,7 +92,7 @@ def int4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     return quantize_rows_like_q8(x).double() @ layer.dequantize().double().t()
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("k, group_size", [
     (160, 32),  # 5 blocks: one partial chunk, one partial half
@@ -155,7 +152,7 @@ def untiled_int4(tiles: torch.Tensor, k: int, zero_points: bool) -> torch.Tensor
     return (codes * d + min).view(-1, k)
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("k, group_size", [(576, 32), (704, 64), (896, 128)])
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_int4_tiles_hold_every_value(k, group_size, zero_points):
@@ -165,7 +162,7 @@ def test_int4_tiles_hold_every_value(k, group_size, zero_points):
     assert torch.equal(untiled_int4(layer.tiles, k, zero_points), layer.dequantize())
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("m", [*ROWS, 130])  # 130: two panels of rows (128 each)
 @pytest.mark.parametrize("k, group_size", [(32, 32), (576, 32), (704, 64), (1536, 128)])
 @pytest.mark.parametrize("zero_points", [False, True])
@@ -176,17 +173,17 @@ def test_int4_tiles_kernel_matches_the_sums_it_promises(m, k, group_size, zero_p
     assert_close_to(quantized_gemv().int4_tiles_matmul(x, tiles, zero_points), int4_reference(layer, x))
 
 
-@needs_kernel
-@NARROW_BUILDS
-def test_narrower_builds_of_the_int4_tiles_kernel_compute_the_same_sums(tmp_path, flags):
+@needs_kernels
+@EACH_ISA_LEVEL
+def test_each_isa_level_of_the_int4_tiles_kernel_computes_the_same_sums(tmp_path, level):
     layer = int4_layer(48, 704, 64, zero_points=True, seed=0)
     xs = [int4_kernel_inputs(m, 704) for m in (1, 5)]
-    ys = narrow_build_int4_tiles_outputs(tmp_path, flags, xs, layer.weight, 704, 64, True)
+    ys = isa_level_int4_tiles_outputs(tmp_path, level, xs, layer.weight, 704, 64, True)
     for x, y in zip(xs, ys):
         assert_close_to(y, int4_reference(layer, x))
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 6, quantization.INT4_DEQUANTIZE_FROM_ROWS + 1])
 def test_tiled_int4_linear_computes_the_kernels_sums_at_every_batch_size(rows):
     weight = quantize_int4(torch.randn(208, 600, generator=torch.Generator().manual_seed(rows)), 32)
@@ -209,7 +206,7 @@ def test_an_int4_weight_of_rows_not_a_multiple_of_16_is_not_tiled():
     assert not layer.can_tile and layer.tiles is None
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_dequantizer_matches_torch(group_size, dtype):
@@ -235,7 +232,7 @@ def q8_kernel_inputs(m: int, k: int) -> torch.Tensor:
     return x
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("k", [32, 576, 1536])
 def test_q8_tiles_hold_every_value(k):
     layer = Q8Linear(random_q8_groups(48, k, 32, with_mins=False, seed=k), k)
@@ -245,7 +242,7 @@ def test_q8_tiles_hold_every_value(k):
     assert torch.equal(untiled_q8(layer.tiles, k), layer.dequantize())
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("m", [*ROWS, 130])  # 130: two panels of rows (128 each)
 @pytest.mark.parametrize("k", [32, 576, 1536])
 def test_q8_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
@@ -255,17 +252,17 @@ def test_q8_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
     assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
 
 
-@needs_kernel
-@NARROW_BUILDS
-def test_narrower_builds_of_the_q8_tiles_kernel_compute_the_same_sums(tmp_path, flags):
+@needs_kernels
+@EACH_ISA_LEVEL
+def test_each_isa_level_of_the_q8_tiles_kernel_computes_the_same_sums(tmp_path, level):
     weight = random_q8_groups(48, 576, 32, with_mins=False, seed=0)
     xs = [q8_kernel_inputs(m, 576) for m in (1, 5)]
-    ys = narrow_build_q8_tiles_outputs(tmp_path, flags, xs, weight.codes, weight.scales)
+    ys = isa_level_q8_tiles_outputs(tmp_path, level, xs, weight.codes, weight.scales)
     for x, y in zip(xs, ys):
         assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 6, quantization.Q8_DEQUANTIZE_FROM_ROWS + 1])
 def test_tiled_q8_linear_computes_the_kernels_sums_at_every_batch_size(rows):
     layer = Q8Linear(random_q8_groups(208, 128, 32, with_mins=False, seed=rows), in_features=100,
@@ -296,8 +293,10 @@ def test_q8_linear_matches_its_dequantized_weight(rows, group_size, with_mins, n
     layer = Q8Linear(weight, in_features=100, bias=torch.randn(200))  # 28 appended columns, ignored
     if not native:
         layer.native = False
-    elif not layer.native:
-        pytest.skip("no C++ compiler for the native kernels")
+    elif kernels_disabled():
+        pytest.skip("INFERNO_DISABLE_CPP_KERNELS=1")
+    else:
+        assert layer.native
     x = torch.randn(2, rows, 100)
     ref = x @ weight.dequantize()[:, :100].t() + layer.bias
     y = layer(x)
@@ -349,19 +348,12 @@ def test_an_isa_cap_leaves_the_wider_flags_out_and_builds_without_them(monkeypat
     assert not has_native_bfloat16()
     monkeypatch.setenv("INFERNO_CPU_ISA", "avx2_vnni")
     assert cpu_flags() == {"avx", "avx2", "fma", "avx_vnni"} and "-mno-avxvnni" not in isa_cflags()
+    monkeypatch.setenv("INFERNO_CPU_ISA", "avx512")
+    assert cpu_flags() == {"avx", "avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}
+    monkeypatch.setenv("INFERNO_CPU_ISA", "scalar")
+    assert cpu_flags() == set() and {"-mno-avx", "-mno-fma"} <= set(isa_cflags())
     monkeypatch.setenv("INFERNO_CPU_ISA", "avx3")
     with pytest.raises(ValueError, match="INFERNO_CPU_ISA must be one of"):
         cpu_flags()
     monkeypatch.delenv("INFERNO_CPU_ISA")
     assert "avx512f" in cpu_flags() and isa_cflags() == []
-
-
-@pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernels")
-def test_a_built_kernel_loads_without_the_compiler_toolchain():
-    """Built once (above), a new process loads the cached library directly: cpp_extension (and setuptools, 0.1 s
-    of every start-up) is never imported."""
-    check = ("import sys; from inferno.kernels import quantized_gemv; assert quantized_gemv() is not None; "
-             "print('torch.utils.cpp_extension' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
-    assert out.stdout.strip() == "False"

@@ -5,14 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inferno.kernels import paged_attention
 from inferno.layers.attention import Attention
 from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
-from narrow_builds import narrow_build_run
+from native_kernels import EACH_ISA_LEVEL, isa_level_run, needs_kernels
 
 BLOCK, NUM_BLOCKS = 16, 160
-needs_kernel = pytest.mark.skipif(paged_attention() is None, reason="no C++ compiler for the native kernels")
 
 
 def random_chunk(heads: int, kv_heads: int, head_dim: int, n: int, num_computed: int, dtype: torch.dtype,
@@ -63,7 +61,7 @@ CASES = [  # heads, kv heads, head dim, chunk, cached context before it, window
 ]
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("heads, kv_heads, head_dim, n, num_computed, window", CASES)
 @pytest.mark.parametrize("dtype, cache_dtype, tol", [(torch.float32, None, 2e-6), (torch.float32, torch.float16, 2e-6),
                                                      (torch.bfloat16, None, 2e-2), (torch.float16, None, 2e-3)])
@@ -85,7 +83,7 @@ def test_torch_path_matches_dense(heads, kv_heads, head_dim, n, num_computed, wi
     assert (out - dense_reference(attn, q, k, v, num_computed, block_ids)).abs().max().item() < 2e-6
 
 
-@needs_kernel
+@needs_kernels
 def test_kernel_rejects_a_table_too_short():
     attn, q, k, v, block_ids = random_chunk(4, 2, 32, 40, 0, torch.float32)
     with pytest.raises(RuntimeError, match="block table must cover"):
@@ -93,13 +91,14 @@ def test_kernel_rejects_a_table_too_short():
                                                   0, 1.0, 0)
 
 
-@needs_kernel
-def test_avx2_build_matches_dense(tmp_path):
-    """The 8-lane path (AVX2 + FMA, as on CPUs without AVX-512), built here with -mno-avx512f."""
+@needs_kernels
+@EACH_ISA_LEVEL
+def test_each_isa_level_matches_dense(tmp_path, level):
+    """The 16-lane paths (AVX-512, vdpbf16ps for bfloat16), the 8-lane ones (AVX2 + FMA) and the plain loops."""
     chunks = [random_chunk(*case[:5], torch.float32, torch.float16, case[5]) for case in CASES]
     inputs = [(q, k, v, attn.k_cache, attn.v_cache, torch.tensor(ids), case[4], attn.scale, case[5] or 0)
               for case, (attn, q, k, v, ids) in zip(CASES, chunks)]
     code = "outputs = [torch.ops.inferno.paged_prefill_attention(*args) for args in inputs]"
-    outputs = narrow_build_run(tmp_path, ["prefill_attention.cpp"], "-mno-avx512f", code, inputs)
+    outputs = isa_level_run(tmp_path, level, code, inputs)
     for case, (attn, q, k, v, ids), out in zip(CASES, chunks, outputs):
         assert (out - dense_reference(attn, q, k, v, case[4], ids)).abs().max().item() < 2e-6

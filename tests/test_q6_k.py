@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from inferno.kernels import q6_k_gemv
+from inferno.kernels.library import kernels_disabled
 from inferno.layers import q6_k
 from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
-from narrow_builds import NARROW_BUILDS, narrow_build_outputs, narrow_build_tiles_outputs
+from native_kernels import EACH_ISA_LEVEL, isa_level_outputs, isa_level_tiles_outputs, needs_kernels
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks
 
-needs_kernel = pytest.mark.skipif(q6_k_gemv() is None, reason="no C++ compiler for the native kernels")
 # float16 d at the ends of its range (largest, smallest subnormal, negative, zero) and ordinary ones
 EXTREME_D = np.array([65504, -65504, 6e-8, -6e-8, 0, 1e-4, -0.5, 2.0], dtype=np.float16)
 
@@ -36,8 +35,8 @@ def random_q6_k(n: int, k: int, seed: int, extreme: bool = False) -> np.ndarray:
 @pytest.mark.parametrize("native", [True, False], ids=["native", "pytorch"])
 @pytest.mark.parametrize("extreme", [False, True], ids=["random", "extreme"])
 def test_blocks_dequantize_bit_exactly_like_gguf(native, extreme):
-    if native and q6_k_gemv() is None:
-        pytest.skip("no C++ compiler for the native kernels")
+    if native and kernels_disabled():
+        pytest.skip("INFERNO_DISABLE_CPP_KERNELS=1")
     raw = random_q6_k(9, 1792, seed=extreme, extreme=extreme)
     expected = torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K))
     blocks = Q6KBlocks(torch.from_numpy(raw))
@@ -65,7 +64,7 @@ def kernel_inputs(m: int, n: int, k: int) -> tuple[torch.Tensor, np.ndarray]:
     return x, raw
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
 @pytest.mark.parametrize("k", [256, 512, 1792, 8960])  # 1, 2, 7 super-blocks; Qwen2.5-1.5B's ffn_down
 def test_kernel_matches_float_sums_of_the_quantized_rows(m, k):
@@ -74,15 +73,15 @@ def test_kernel_matches_float_sums_of_the_quantized_rows(m, k):
     assert_close_to(y, kernel_reference(x, raw))
 
 
-@needs_kernel
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2"], ids=["avx2", "plain"])
-def test_narrower_builds_compute_the_same_sums(tmp_path, flags):
+@needs_kernels
+@EACH_ISA_LEVEL
+def test_each_isa_level_computes_the_same_sums(tmp_path, level):
     """The AVX2 path and the plain loops, built on this CPU without the instructions they must not use (the first
     build takes about half a minute; later runs reuse it)."""
     xs_raws = [kernel_inputs(m, 37, 1792) for m in (1, 3, 5)]
     raw = xs_raws[0][1]
     xs = [x for x, _ in xs_raws]
-    ys, w = narrow_build_outputs(tmp_path, "q6_k", flags, xs, torch.from_numpy(raw))
+    ys, w = isa_level_outputs(tmp_path, "q6_k", level, xs, torch.from_numpy(raw))
     assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K)))
     for x, y in zip(xs, ys):
         assert_close_to(y, kernel_reference(x, raw))
@@ -95,8 +94,10 @@ def test_linear_matches_its_dequantized_weight(rows, native):
     layer = Q6KLinear(Q6KBlocks(torch.from_numpy(raw)), bias=torch.randn(200))
     if not native:
         layer.native = False
-    elif not layer.native:
-        pytest.skip("no C++ compiler for the native kernels")
+    elif kernels_disabled():
+        pytest.skip("INFERNO_DISABLE_CPP_KERNELS=1")
+    else:
+        assert layer.native
     assert (layer.in_features, layer.out_features) == (512, 200)
     x = torch.randn(2, rows, 512, generator=torch.Generator().manual_seed(rows))
     ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K)).t() + layer.bias
@@ -123,7 +124,7 @@ def test_rows_permute_and_stack_like_the_weights():
     assert both.shape == (13, 512) and np.array_equal(both.dequantize().numpy(), expected)
 
 
-@needs_kernel
+@needs_kernels
 def test_kernel_rejects_bad_inputs():
     blocks = torch.from_numpy(random_q6_k(4, 512, seed=0))
     with pytest.raises(RuntimeError, match="x has 256 columns but the blocks hold 512"):
@@ -153,7 +154,7 @@ def untile(tiles: np.ndarray, n: int, k: int) -> np.ndarray:
     return w.transpose(0, 2, 1, 3).reshape(n, k)
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("extreme", [False, True], ids=["random", "extreme"])
 def test_tiles_keep_every_value_of_the_stored_blocks(extreme):
     raw = random_q6_k(32, 1792, seed=extreme, extreme=extreme)
@@ -163,7 +164,7 @@ def test_tiles_keep_every_value_of_the_stored_blocks(extreme):
     assert np.array_equal(untile(tiles, 32, 1792), expected, equal_nan=True)
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40, 130])  # 130: two panels of rows (128 each)
 @pytest.mark.parametrize("k", [256, 1792, 8960])
 def test_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
@@ -172,18 +173,18 @@ def test_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
     assert_close_to(torch.ops.inferno.q6_k_tiles_matmul(x, tiles), kernel_reference(x, raw))
 
 
-@needs_kernel
-@NARROW_BUILDS
-def test_narrower_builds_of_the_tiles_kernel_compute_the_same_sums(tmp_path, flags):
+@needs_kernels
+@EACH_ISA_LEVEL
+def test_each_isa_level_of_the_tiles_kernel_computes_the_same_sums(tmp_path, level):
     xs_raws = [kernel_inputs(m, 48, 1792) for m in (1, 5)]
     raw = xs_raws[0][1]
     xs = [x for x, _ in xs_raws]
-    ys = narrow_build_tiles_outputs(tmp_path, "q6_k", flags, xs, torch.from_numpy(raw))
+    ys = isa_level_tiles_outputs(tmp_path, "q6_k", level, xs, torch.from_numpy(raw))
     for x, y in zip(xs, ys):
         assert_close_to(y, kernel_reference(x, raw))
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 6, q6_k.Q6_K_DEQUANTIZE_FROM_ROWS + 1])
 def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
     raw = random_q6_k(208, 512, seed=rows)

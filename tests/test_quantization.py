@@ -17,6 +17,7 @@ from inferno.layers.quantization import (INT8_GROUP_DEQUANTIZE_FROM_ROWS, GroupQ
                                          Int8Linear, Q8Linear, quantize_groups, quantize_groups_symmetric, quantize_int4,
                                          quantize_int8)
 from inferno.loader.gguf_blocks import int4_groups
+from native_kernels import needs_kernels
 
 # Prose, code and chat; together ~150 next-token positions for the agreement checks.
 TEXTS = [
@@ -52,10 +53,9 @@ def random_group_weight(n: int, k: int, group_size: int) -> GroupQuantized:
     return GroupQuantized(codes, torch.rand(n, groups) / 100, torch.randn(n, groups) / 10)
 
 
-needs_kernel = pytest.mark.skipif(quantized_gemv() is None, reason="no C++ compiler for the native kernel")
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("m, n, k, group_size", [
     (1, 64, 64, 32), (1, 576, 576, 32), (3, 17, 96, 32), (4, 40, 256, 64), (5, 33, 576, 128),
     (9, 48, 1536, 32), (15, 8, 128, 128),
@@ -73,7 +73,7 @@ def test_int8_group_kernel_matches_dequantize_then_matmul(m, n, k, group_size):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-@needs_kernel
+@needs_kernels
 def test_int8_group_kernel_rejects_bad_inputs():
     weight = random_group_weight(16, 64, 32)
     codes, scales, mins = weight.codes, weight.scales, weight.mins
@@ -143,7 +143,7 @@ def test_int8_per_channel_matmul_matches_dequantized_reference(batch):
     assert relative_error(ref, lin(x)) < 2e-2  # and int8 itself is close to the float weights
 
 
-@needs_kernel
+@needs_kernels
 def test_int4_kernel_rejects_bad_inputs():
     layer = Int4Linear(quantize_int4(torch.randn(16, 128), 32), None)
     kernel = quantized_gemv().int4_q8_matmul

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from conftest import FLOAT32, prefill_logits
 from inferno import LLM
 from inferno.entrypoints.cli import main
-from inferno.kernels import w8a8_activations
 from inferno.layers.activation_calibration import SMOOTHING, smoothing_factors
 from inferno.layers.w8a8 import W8A8_FROM_ROWS, W8A8Linear, hadamard, quantize_w8a8, rotate
+from native_kernels import needs_kernels
 from test_architectures import prompts
 from tiny_models import write_hf_model
 
@@ -78,7 +78,7 @@ def test_w8a8_linear_is_close_to_float():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(w8a8_activations() is None, reason="no C++ compiler for the native kernels")
+@needs_kernels
 @pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize("in_features", [256, 1536, 24])  # 24: a rotation block of 8, narrower than a vector
 def test_native_input_quantization_matches_pytorch(rotated, in_features):
@@ -99,7 +99,7 @@ def test_native_input_quantization_matches_pytorch(rotated, in_features):
         assert codes.dtype == torch.uint8 and codes.float().sub(128).abs().amax(dim=1).eq(127).all()
 
 
-@pytest.mark.skipif(w8a8_activations() is None, reason="no C++ compiler for the native kernels")
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_output_scaling_matches_pytorch(dtype, bias):

@@ -17,6 +17,7 @@ with gc_paused(freeze=True):  # importing torch and inferno builds objects as lo
     from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
     from inferno.engine.input_processor import PromptType
     from inferno.engine.llm_engine import LLMEngine
+    from inferno.entrypoints.env import run_env
     from inferno.entrypoints.llm import LLM
     from inferno.sampling_params import RequestOutputKind, SamplingParams
     from inferno.server.cli_args import add_server_args, server_config
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
                            help="UTF-8 text to calibrate on (repeatable; default: a built-in sample)")
     calibrate.add_argument("--num-threads", type=int, default=None)
     calibrate.set_defaults(func=run_calibrate)
+    env = commands.add_parser("env", help="print the versions, CPU, kernel library and caches a bug report needs")
+    env.set_defaults(func=lambda args: run_env())
     args = parser.parse_args(argv)
     try:
         args.func(args)

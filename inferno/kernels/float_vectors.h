@@ -4,9 +4,7 @@
 // them back, and exp. Everything here has internal linkage.
 #pragma once
 
-#include <torch/extension.h>
-
-#include <immintrin.h>
+#include "kernel.h"
 
 #include <algorithm>
 #include <cstdint>

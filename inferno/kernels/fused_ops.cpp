@@ -4,8 +4,7 @@
 // `inferno::silu_and_mul` and `inferno::rotary`. float32, bfloat16 and float16 rows; arithmetic in float32, rounded
 // once to the row's dtype, except where the PyTorch path rounds in between and the result must stay the same (see
 // rms_norm).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include "float_vectors.h"
 
@@ -187,13 +186,6 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& rotations) {
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.def("rotary(Tensor x, Tensor rotations) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("rms_norm", &rms_norm);

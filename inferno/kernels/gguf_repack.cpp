@@ -9,8 +9,7 @@
 //    Q6_K, else 32.
 // 3. `gguf_string_offsets`: where the strings of a metadata array (a vocabulary, a merge list) start, the sequential
 //    walk over their length prefixes that Python would spend a loop iteration per string on.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include <sys/mman.h>
 
@@ -79,13 +78,6 @@ std::pair<int64_t, int64_t> check_raw(const at::Tensor& raw, const TypeInfo& t) 
 }
 
 // ---- 1. the int4 layout ----
-
-// The 16 bytes of one block, byte 4v + i = code 4v + i | code 16 + 4v + i << 4, as the layout's 4 runs of 4 bytes.
-inline void put_block(uint8_t* chunk, int64_t nb, int64_t l, __m128i bytes) {
-  alignas(16) uint8_t runs[16];
-  _mm_store_si128(reinterpret_cast<__m128i*>(runs), bytes);
-  for (int64_t v = 0; v < 4; ++v) std::memcpy(chunk + v * 4 * nb + 4 * l, runs + 4 * v, 4);
-}
 
 // Writes into `packed` (uint8 [rows, K / 2 + 4 * K / 32], contiguous): a fused layer's shards go straight into
 // their rows of one tensor.
@@ -257,12 +249,6 @@ at::Tensor gguf_string_offsets(const at::Tensor& bytes, int64_t pos, int64_t cou
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("gguf_string_offsets(Tensor bytes, int pos, int count) -> Tensor");
-  m.def("gguf_to_int4(Tensor raw, int qtype, Tensor(a!) packed) -> ()");
-  m.def("gguf_to_q8(Tensor raw, int qtype) -> (Tensor, Tensor, Tensor)");
-}
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("gguf_string_offsets", &gguf_string_offsets);

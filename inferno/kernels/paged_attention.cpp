@@ -10,8 +10,7 @@
 // AVX-512, 8 with AVX2 — a vector wider than the registers compiles into stack traffic): each K/V row comes from
 // memory once for all query heads of its group (from L1 for the others), the scores of LANES keys are finished
 // together by a transposing reduction tree instead of one horizontal sum per key, and exp is a vector polynomial.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include "float_vectors.h"
 
@@ -275,10 +274,5 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window=0) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -15,8 +15,7 @@
 // added into each float32 lane: half the instructions): keys as pairs of dimensions, values as pairs of keys, the
 // probabilities rounded to bfloat16 for their product with the values (as GPU flash attention does); scores, softmax
 // and sums in float32.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include "float_vectors.h"
 
@@ -382,10 +381,5 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, con
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("paged_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "int num_computed, float scale, int window=0) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -14,10 +14,10 @@
 // with the integer sums exact and the second term on the rounded activations (QuantizedRows::sums), as the int4
 // kernel computes Q4_K's groups, but with d sc_j and dmin m_j exact in float32 (11 by 6 significant bits) where the
 // int4 layout rounds them to float16.
-// Built with -march=native: an AVX-512 VNNI path (64 weights, 2 sub-blocks per instruction), an AVX2 path (one
-// sub-block per vector, AVX-VNNI where the compiler defines it) and plain loops for anything else.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// Built once per ISA level (inferno/cpu_features.py): an AVX-512 VNNI path (64 weights, 2 sub-blocks per
+// instruction), an AVX2 path (one sub-block per vector, AVX-VNNI where the compiler defines it) and plain loops for
+// anything else.
+#include "kernel.h"
 
 #include "quantized_rows.h"
 
@@ -428,13 +428,6 @@ at::Tensor q4_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("q4_k_matmul(Tensor x, Tensor blocks) -> Tensor");
-  m.def("q4_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
-  m.def("q4_k_tile(Tensor blocks) -> Tensor");
-  m.def("q4_k_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("q4_k_matmul", &q4_k_matmul);

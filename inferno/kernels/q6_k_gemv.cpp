@@ -15,10 +15,9 @@
 // The integer sums take the unsigned q times the signed xq, 4 products per int32 lane (a lane stays in its group
 // of 16), and drop the offset before any rounding: each lane starts at -32 times the sum of its 4 xq. One float
 // multiply-add per lane then applies d sc_g xs_b (d sc_g is exact in float32: 11 by 8 significant bits).
-// Built with -march=native: an AVX-512 VNNI path (64 weights per instruction), an AVX2 path (32, AVX-VNNI where
-// the compiler defines it) and plain loops for anything else.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// Built once per ISA level (inferno/cpu_features.py): an AVX-512 VNNI path (64 weights per instruction), an AVX2
+// path (32, AVX-VNNI where the compiler defines it) and plain loops for anything else.
+#include "kernel.h"
 
 #include "float_vectors.h"
 #include "quantized_rows.h"
@@ -482,13 +481,6 @@ at::Tensor q6_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("q6_k_matmul(Tensor x, Tensor blocks) -> Tensor");
-  m.def("q6_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
-  m.def("q6_k_tile(Tensor blocks) -> Tensor");
-  m.def("q6_k_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("q6_k_matmul", &q6_k_matmul);

@@ -11,10 +11,9 @@
 //    activations quantized to int8 per block of 32 (absmax), integer dot products as llama.cpp computes them (see
 //    each below).
 // 3. `int8_q8_dequantize` and `int4_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill.
-// Built with -march=native for the CPU it runs on: AVX-512 VNNI paths, AVX2 paths (Zen 2/3, Haswell on; AVX-VNNI
+// Built once per ISA level (inferno/cpu_features.py): AVX-512 VNNI paths, AVX2 paths (Zen 2/3, Haswell on; AVX-VNNI
 // where the compiler defines it), and plain loops for anything else.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include "quantized_rows.h"
 
@@ -190,9 +189,17 @@ inline void int4_block_codes(const uint8_t* row, int64_t blocks, int64_t b, uint
   const uint8_t* chunk = row + c * CHUNK_BYTES + 4 * l;
   int32_t runs[4];  // the block's 4 bytes of each run: codes 4v..4v+3 (low nibbles), 16+4v.. (high)
   for (int64_t v = 0; v < 4; ++v) std::memcpy(&runs[v], chunk + v * 4 * nb, 4);
+#if defined(__SSE2__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(runs)), low4 = _mm_set1_epi8(0x0F);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_and_si128(bytes, low4));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+#else
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(runs);
+  for (int64_t i = 0; i < 16; ++i) {
+    codes[i] = bytes[i] & 0x0F;
+    codes[16 + i] = bytes[i] >> 4;
+  }
+#endif
 }
 
 // The kernels' per-group constant min + 8 d (they sum (code - 8) * xq): (8 - z) * d with zero points, exact.
@@ -1079,19 +1086,6 @@ at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("int8_group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
-  m.def("int8_group_dequantize(Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
-  m.def("int8_q8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group_size) -> Tensor");
-  m.def("int4_q8_matmul(Tensor x, Tensor packed, int group_size, bool zero_points=False) -> Tensor");
-  m.def("int4_dequantize(Tensor packed, int k, int group_size, ScalarType dtype, bool zero_points=False) -> Tensor");
-  m.def("int8_q8_dequantize(Tensor codes, Tensor scales, Tensor? mins, int group_size, ScalarType dtype) -> Tensor");
-  m.def("int4_tile(Tensor packed, int k, int group_size) -> Tensor");
-  m.def("int4_tiles_matmul(Tensor x, Tensor tiles, bool zero_points=False) -> Tensor");
-  m.def("q8_tile(Tensor codes, Tensor scales) -> Tensor");
-  m.def("q8_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("int8_group_matmul", &int8_group_matmul);

@@ -1,13 +1,10 @@
 // What the quantized kernels share (quantized_gemv.cpp, q4_k_gemv.cpp, q6_k_gemv.cpp, gguf_repack.cpp): the rows of
 // x quantized to int8 per block of 32, the passes over row blocks of x, float16 reads, K-quant scales, the checks
-// and shape of the super-block matmul operators and the float32 / bfloat16 output of the dequantizers. Each kernel
-// file is its own extension: everything here has internal linkage.
+// and shape of the super-block matmul operators and the float32 / bfloat16 output of the dequantizers. Everything here
+// has internal linkage (each kernel file its own copy).
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <immintrin.h>
+#include "kernel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -33,7 +30,7 @@ constexpr int64_t PREFETCH_BYTES = 2048;
 // Prefetches the PREFETCH_BYTES after each cache line of the `bytes` at `row` (the row about to be read).
 inline void prefetch_ahead(const void* row, int64_t bytes) {
   const char* p = static_cast<const char*>(row) + PREFETCH_BYTES;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 constexpr int64_t AVX2_ROW_BLOCK = 4;  // rows of x per pass over the weights in 256-bit kernels (16 registers)
 

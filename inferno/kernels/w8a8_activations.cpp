@@ -8,8 +8,7 @@
 // distance s. Stages at a distance of whole vectors add and subtract vectors; the shorter ones pair lanes of one
 // vector (a shuffle and one multiply-add with a +1 / -1 vector). Sylvester's matrix is symmetric, so the transform
 // equals x times the matrix that rotates the weights (inferno/layers/w8a8.py: `hadamard`, `rotate`).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include "float_vectors.h"
 
@@ -174,11 +173,6 @@ void w8a8_scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const c1
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(inferno, m) {
-  m.def("w8a8_quantize_rows(Tensor x, Tensor? input_scales, int rotation_block) -> (Tensor, Tensor)");
-  m.def("w8a8_scale_rows(Tensor y, Tensor row_scales, Tensor? bias, Tensor(a!) out) -> ()");
-}
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("w8a8_quantize_rows", &w8a8_quantize_rows);
