@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from inferno.cpu_features import ISA_LEVELS, cpu_flags, cpu_info, supported_isa_levels
+from inferno.cache_dirs import compile_cache_dir
 from inferno.kernels import kernel_cache_dir, kernel_library
 from inferno.kernels.library import installed_library, kernels_disabled
 
@@ -74,7 +75,7 @@ def report() -> list[str]:
         f"native kernels: {kernels_line()}",
         f"threads: torch {torch.get_num_threads()} (intra-op), {torch.get_num_interop_threads()} (inter-op)",
         f"kernel cache (INFERNO_NATIVE_KERNELS=1 builds): {kernel_cache_dir()}",
-        f"inductor cache: {os.environ.get('TORCHINDUCTOR_CACHE_DIR') or default_inductor_cache()}",
+        f"compiled decode steps: {os.environ.get('TORCHINDUCTOR_CACHE_DIR') or compile_cache_dir()}",
         *gpu_lines(),
         "environment: " + (" ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                     if k.startswith(ENV_PREFIXES) and "KEY" not in k and "TOKEN" not in k) or "-"),
@@ -82,11 +83,6 @@ def report() -> list[str]:
         "system: " + system_line(),
     ]
     return lines
-
-
-def default_inductor_cache() -> str:
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    return default_cache_dir()
 
 
 def run_env() -> None:

@@ -16,16 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
-from inferno.cpu_features import cpu_key
+from inferno.cache_dirs import compile_cache_dir
 
 logger = logging.getLogger("inferno")
-
-
-def compile_cache_dir() -> Path:
-    """INFERNO_COMPILE_CACHE, else inferno/compile under XDG_CACHE_HOME (~/.cache); one folder per CPU in it."""
-    if os.environ.get("INFERNO_COMPILE_CACHE"):
-        return Path(os.environ["INFERNO_COMPILE_CACHE"]) / cpu_key()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inferno" / "compile" / cpu_key()
 
 
 def use_compile_cache() -> Path:
