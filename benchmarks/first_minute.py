@@ -29,6 +29,10 @@ class FirstMinute:
     def tokens_per_s(self) -> float:
         return self.tokens / self.window_s
 
+    def __str__(self) -> str:
+        return (f"healthy {self.ready_s:.2f} s, first token {self.first_token_s:.2f} s, {self.tokens_per_s:.1f} tok/s "
+                f"over {self.window_s:.0f} s, longest gap {self.longest_gap_s:.2f} s")
+
 
 def free_port() -> int:
     with socket.socket() as s:

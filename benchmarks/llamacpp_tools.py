@@ -15,11 +15,12 @@ class LlamaCpp:
     threads: int
 
     def run(self, tool: str, *args: str) -> str:
+        """The tool's stdout, where both benchmark tools print their results (their logs go to stderr)."""
         cmd = [str(self.tools[tool]), "-m", self.model, *args]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
         if result.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-        return result.stdout + result.stderr
+        return result.stdout
 
     def bench(self, prompt_len: int, output_len: int) -> tuple[float, float]:
         """llama-bench's pp<prompt_len> and tg<output_len> tok/s, one repetition each (after its own warm-up run)."""

@@ -56,6 +56,10 @@ class Round:
     decode: float
     batched: dict[int, float]
 
+    def __str__(self) -> str:
+        batched = ", ".join(f"B={b} {tps:.1f}" for b, tps in self.batched.items())
+        return f"prompt {self.prompt:.1f}, decode {self.decode:.1f}, batched total {batched} tok/s"
+
 
 # inferno, steady state
 class InfernoPeer:
@@ -100,7 +104,7 @@ def steady_rounds(ours: InfernoPeer, peer: LlamaCpp, args: argparse.Namespace) -
     pairs = []
     for i in range(args.repeats):
         pairs.append((llamacpp_round(peer, args), ours.round(args)))
-        print(f"round {i + 1}/{args.repeats}: llama.cpp {pairs[-1][0]}\n{'':>12}inferno   {pairs[-1][1]}", flush=True)
+        print(f"round {i + 1}/{args.repeats}: llama.cpp {pairs[-1][0]}\n{'inferno':>21} {pairs[-1][1]}", flush=True)
     return pairs
 
 
@@ -121,7 +125,7 @@ def cold_rounds(model: str, peer: LlamaCpp, args: argparse.Namespace) -> list[tu
                             args.cold_output_len, args.cold_window, logs / f"inferno-{i}.log",
                             env={"PYTHONPATH": str(ROOT)})
         pairs.append((base, ours))
-        print(f"cold {i + 1}/{args.cold_repeats}: llama-server {base}\n{'':>12}inferno      {ours}", flush=True)
+        print(f"cold {i + 1}/{args.cold_repeats}: llama-server {base}\n{'inferno':>24} {ours}", flush=True)
     print(f"server logs in {logs}")
     return pairs
 
