@@ -99,7 +99,13 @@ def run_logged(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
 
 
 def fetch_sources(work: Path, log: Path, sdist: Path | None) -> Path:
-    """llama.cpp's source tree out of the llama-cpp-python sdist (downloaded unless `sdist` is given)."""
+    """llama.cpp's source tree out of the llama-cpp-python sdist (downloaded unless `sdist` is given); a tree
+    left by an interrupted build is kept, and its build goes on where it stopped (ninja)."""
+    source = work / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+    if (work / ".extracted").exists():
+        return source
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
     if sdist is None:
         run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                     f"llama-cpp-python=={VERSION}", "-d", str(work)], log)
@@ -108,7 +114,9 @@ def fetch_sources(work: Path, log: Path, sdist: Path | None) -> Path:
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
         tar.extractall(work, members=members, filter="data")
-    return work / prefix
+    assert (source / "CMakeLists.txt").exists(), f"{sdist} holds no {source.relative_to(work)}"
+    (work / ".extracted").touch()
+    return source
 
 
 def cmake_build(source: Path, isa: Isa, jobs: int, log: Path) -> list[str]:
@@ -116,7 +124,8 @@ def cmake_build(source: Path, isa: Isa, jobs: int, log: Path) -> list[str]:
                "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", *isa.cmake_options()]
     run_logged(["cmake", "-S", str(source), "-B", str(source / "build"), *options], log)
-    run_logged(["cmake", "--build", str(source / "build"), "-j", str(jobs), "--target", *TOOLS], log)
+    for tool in TOOLS:  # one after another: the benchmark tools are ready first, the server needs the most
+        run_logged(["cmake", "--build", str(source / "build"), "-j", str(jobs), "--target", tool], log)
     return options
 
 
@@ -134,15 +143,15 @@ def build(jobs: int = 2, sdist: Path | None = None) -> dict[str, Path]:
         if paths := tool_paths(folder):
             return paths
         work, log = folder / "work", folder / "build.log"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        log.write_text(f"llama.cpp tools build, {isa.note()}\n")
+        with log.open("a") as out:
+            out.write(f"llama.cpp tools build, {isa.note()}\n")
         print(f"building llama.cpp's {', '.join(TOOLS)} in {folder} ({isa.note()}; log: {log}; ~10 min on 2 cores)",
               flush=True)
         start = time.monotonic()
         source = fetch_sources(work, log, sdist)
         options = cmake_build(source, isa, jobs, log)
         staging = work / "bin"
+        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         for name in TOOLS:
             shutil.copy2(source / "build" / "bin" / name, staging / name)
