@@ -7,8 +7,9 @@ lists them) and never AMX: llama.cpp's AMX path died with SIGILL on an AMX Xeon 
 OpenMP worker, any prompt longer than one token), so AMX CPUs get their AVX-512 build and the report says so.
 
 Static binaries are cached under $XDG_CACHE_HOME/inferno/llama.cpp/<version>-<cpu key>/bin (INFERNO_LLAMACPP_CACHE
-overrides the root), built once per machine: about 10 minutes on 2 busy cores; a second call returns at once. A
-lock file serialises concurrent builders; a half-finished build never counts (the bin folder appears by rename).
+overrides the root), built once per machine: about 10 minutes on 2 idle cores (over an hour on 2 cores that other
+work keeps busy); a second call returns at once. A lock file serialises concurrent builders; a half-finished build
+never counts (the bin folder appears by rename), and an interrupted one goes on where it stopped.
 
     python benchmarks/build_llamacpp.py            # build if needed, print the bin folder
     nohup python benchmarks/build_llamacpp.py > /tmp/llamacpp-build.log 2>&1 &   # in the background
@@ -82,17 +83,18 @@ def tool_paths(folder: Path) -> dict[str, Path] | None:
 
 
 def build_info(folder: Path) -> dict:
-    """What build.json recorded: llama.cpp's version, the CMake options, the ISA note, how long it took."""
+    """What build.json recorded: the llama-cpp-python version whose llama.cpp it built, the CMake options, the ISA
+    note, the seconds the (last session of the) build took."""
     path = folder / "build.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def run_logged(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
+def run_logged(cmd: list[str], log: Path) -> None:
     print(f"$ {' '.join(cmd)}", flush=True)
     with log.open("a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        result = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
     if result.returncode:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"{cmd[0]} failed (exit {result.returncode}); the last lines of {log}:\n{tail}")
