@@ -173,7 +173,8 @@ def report(args: argparse.Namespace, model_path: str, steady: list, cold: list) 
              f"- llama.cpp: the tools built from llama-cpp-python {info.get('llama_cpp_python', '?')}'s vendored "
              f"sources by `benchmarks/build_llamacpp.py` ({info.get('isa', '?')}), `-t {args.num_threads}`",
              f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}`",
-             f"- Model: `{Path(model_path).name}` for both engines; inferno with its defaults (prefix caching off in the steady state)"]
+             f"- Model: `{Path(model_path).name}` for both engines; inferno with its defaults (prefix caching off in "
+             "the steady state)"]
     if steady:
         lines += ["", f"Steady state, {len(steady)} rounds taking turns (llama-bench `-r 1`, llama-batched-bench; "
                   "inferno's `LLM` after its warm-up):", "", *steady_table(steady, args)]
