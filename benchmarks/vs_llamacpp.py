@@ -209,7 +209,7 @@ def main() -> None:
     steady = []
     if not args.skip_steady:
         llm = LLM(model=model_path, num_threads=args.num_threads, enable_prefix_caching=False)
-        llm.llm_engine.model_runner.wait_for_warm_up()  # the steady state, not the warm-up
+        llm.wait_for_warm_up()  # the steady state, not the warm-up
         steady = steady_rounds(InfernoPeer(llm, args.seed), peer, args)
         llm.llm_engine.shutdown()
         del llm  # the servers of the cold part get the cores and the memory
