@@ -7,10 +7,9 @@ from typing import Any
 
 from inferno.config import PoolerConfig
 
-ST_MODULE = "sentence_transformers.models."
-# sentence-transformers' pooling modes -> vLLM's pooling types
-ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-                    "pooling_mode_cls_token": "CLS"}
+# sentence-transformers' pooling modes -> vLLM's pooling types: "pooling_mode": "<mode>" (version 6), or one
+# "pooling_mode_<mode>": true among the older files' flags
+ST_POOLING_MODES = {"lasttoken": "LAST", "mean": "MEAN", "mean_tokens": "MEAN", "cls": "CLS", "cls_token": "CLS"}
 # llama.cpp's enum llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last, 4 rank
 GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
 
@@ -25,7 +24,7 @@ def hf_pooler_config(folder: Path, hf_config: dict) -> PoolerConfig:
     if not modules_file.exists():
         return PoolerConfig(matryoshka_dimensions=dimensions)
     modules = json.loads(modules_file.read_text())
-    kinds = {m["type"].removeprefix(ST_MODULE): m for m in modules}
+    kinds = {m["type"].rpartition(".")[2]: m for m in modules}  # the class name, wherever a version puts it
     unsupported = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
     if unsupported:
         raise ValueError(f"{modules_file}: sentence-transformers modules {unsupported} are not supported (only "
@@ -37,10 +36,13 @@ def hf_pooler_config(folder: Path, hf_config: dict) -> PoolerConfig:
 
 
 def st_pooling_type(pooling: dict) -> str:
-    modes = [name for name, value in pooling.items() if name.startswith("pooling_mode_") and value]
+    modes = pooling.get("pooling_mode")
+    if modes is None:
+        modes = [name.removeprefix("pooling_mode_") for name, value in pooling.items()
+                 if name.startswith("pooling_mode_") and value]
+    modes = [modes] if isinstance(modes, str) else list(modes)
     if len(modes) != 1 or modes[0] not in ST_POOLING_MODES:
-        raise ValueError(f"sentence-transformers pooling {modes} is not supported (one of "
-                         f"{sorted(ST_POOLING_MODES)})")
+        raise ValueError(f"sentence-transformers pooling {modes} is not supported (supported: lasttoken, mean, cls)")
     if pooling.get("include_prompt") is False:
         raise ValueError("sentence-transformers pooling with include_prompt=False is not supported")
     return ST_POOLING_MODES[modes[0]]

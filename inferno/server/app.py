@@ -25,6 +25,8 @@ from inferno.server.protocol import (
 from inferno.server.serving import OpenAIError, OpenAIServing, server_error
 from inferno.server.serving_chat import ServingChat
 from inferno.server.serving_completion import ServingCompletion
+from inferno.server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
+from inferno.server.serving_embedding import ServingEmbedding
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 500, 503)}
 
@@ -61,6 +63,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     completions = ServingCompletion(async_llm, model_name)
     chat = ServingChat(async_llm, model_name, tool_call_parser, reasoning_parser)
     tokenizer = OpenAIServing(async_llm, model_name)
+    embeddings = ServingEmbedding(async_llm, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,6 +119,10 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(request, raw_request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.create(request, raw_request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

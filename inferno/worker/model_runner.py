@@ -203,8 +203,9 @@ class ModelRunner:
             plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
             logits, pooling_hidden = self.forward_step(plan.step)
             output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
-            if output is not None and plan.pooling:
-                output.pooler_output = pool(plan.pooling, self.model.norm(pooling_hidden).float())
+            if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)
+                normed = self.model.norm(pooling_hidden).float() if pooling_hidden is not None else None
+                output.pooler_output = pool(plan.pooling, normed)
         if not self.first_step_done.is_set():  # once: Event.set takes a lock
             self.first_step_done.set()
         return output

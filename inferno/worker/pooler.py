@@ -30,8 +30,9 @@ class PoolingChunk:
     completes_prompt: bool
 
 
-def pool(chunks: list[PoolingChunk], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Add each chunk's normed hidden states (`hidden`: the step's pooling rows, float32) to its request's sum;
+def pool(chunks: list[PoolingChunk], hidden: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Add each chunk's normed hidden states (`hidden`: the step's pooling rows, float32; None when there are
+    none) to its request's sum;
     returns the embeddings of the requests whose prompt is complete (float32, on the CPU)."""
     embeddings = {}
     for chunk in chunks:
