@@ -17,6 +17,7 @@ from conftest import assert_all_blocks_free
 from inferno import LLM
 from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams
+from test_parallel import LAYOUTS, parallel_llm
 from test_server import RemoteServer
 from tiny_models import write_hf_model
 
@@ -158,6 +159,29 @@ def test_gguf_embeddings_follow_the_float_model(llm, hf_model):
     llm.reset_prefix_cache()
     alone = torch.cat([vectors(llm.embed({"prompt_token_ids": p})) for p in prompts])
     assert cosines(alone, batched).min() >= 1 - 1e-6
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parallel_embeddings_match_one_process(tmp_path, layout):
+    """Rank 0 pools: with tensor parallelism it holds the whole hidden states, with pipeline stages the last stage
+    sends the pooled rows back with the logit rows (a generation request shares the steps)."""
+    write_sentence_transformer(tmp_path, "qwen3", "mean", True)
+    model = str(tmp_path / "st")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    single = LLM(model=model, **ENGINE)
+    expected, generated = vectors(single.embed(TEXTS)), single.generate(TEXTS[1], params)[0].outputs[0].token_ids
+    with parallel_llm(model=model, **ENGINE, **LAYOUTS[layout]) as llm:
+        engine = llm.llm_engine
+        engine.add_request("gen", TEXTS[1], params)
+        for i, text in enumerate(TEXTS):
+            engine.add_request(str(i), text, PoolingParams())
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+        got = torch.stack([finished[str(i)].outputs.data for i in range(len(TEXTS))])
+        assert cosines(got, expected).min() >= 1 - 1e-5
+        assert finished["gen"].outputs[0].token_ids == generated
+        assert_all_blocks_free(engine)
 
 
 @pytest.fixture(scope="module")
