@@ -184,13 +184,14 @@ def test_full_waiting_queue_answers_503_and_recovers(server):
 
 
 # fuzzing
-FUZZ_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+FUZZ_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"]
 MAX_FUZZ_TOKENS = 2
 
 
 def bound_generation(body):
-    """Keep generated requests cheap on a CPU (at most 2 prompts, 2 samples and 2 new tokens each), and give
-    messages without content some text, so that more chat requests get past the chat template to the engine."""
+    """Keep generated requests cheap on a CPU (at most 2 prompts or embedding inputs, 2 samples and 2 new tokens
+    each), and give messages without content some text, so that more chat requests get past the chat template to the
+    engine."""
     if not isinstance(body, dict):
         return
     for message in body.get("messages") if isinstance(body.get("messages"), list) else []:
@@ -203,8 +204,9 @@ def bound_generation(body):
         body["max_tokens"] = MAX_FUZZ_TOKENS
     if isinstance(body.get("n"), int) and body["n"] > 2:
         body["n"] = 2
-    if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
-        body["prompt"] = body["prompt"][:2]
+    for name in ("prompt", "input"):
+        if isinstance(body.get(name), list) and body[name] and not isinstance(body[name][0], int):
+            body[name] = body[name][:2]
 
 
 @pytest.mark.parametrize("path", FUZZ_PATHS)

@@ -199,19 +199,6 @@ class AsyncLLM:
             if not stream.finished:
                 self.abort(request_id)
 
-    async def encode(self, prompt: PromptType, pooling_params: PoolingParams,
-                     request_id: str) -> PoolingRequestOutput:
-        """vLLM's AsyncLLM.encode, awaited to its one output: the prompt's embedding. Raises RequestFailedError
-        when the engine failed it; cancelling the call aborts it."""
-        stream = await self.add_request(request_id, prompt, pooling_params)
-        try:
-            async for output in stream:
-                return output
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
-        raise RequestFailedError(f"request {request_id} was aborted")
-
     def abort(self, request_id: str) -> None:
         """End a request; its blocks are freed before the next step. Unknown or finished ids are ignored."""
         self._commands.put(_Abort(request_id))

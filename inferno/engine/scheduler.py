@@ -156,8 +156,9 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish stopped requests and embedding requests whose
-        prompt is complete; returns the requests that got a new token, a prompt-logprob chunk or their embedding. Rejected draft tokens are not computed: their KV slots are
-        written again by later steps, and a block enters the prefix cache only once all its tokens are accepted."""
+        prompt is complete; returns the requests that got a new token, a prompt-logprob chunk or their embedding.
+        Rejected draft tokens are not computed: their KV slots are written again by later steps, and a block enters
+        the prefix cache only once all its tokens are accepted."""
         updated = []
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests[rid]
