@@ -9,7 +9,7 @@ Each side embeds them once to warm up, then `--repeats` times; the table has the
 tokens/s), the speedup, and the smallest cosine between the two sides' vectors (near 1 when both embedded the same
 tokens: sentence-transformers 6 wraps each text in the chat template of a tokenizer that has one, inferno does not).
 
-    python benchmarks/embeddings.py [--model FOLDER] [--threads N] [--dtype float32]
+    python benchmarks/embeddings.py [--model FOLDER] [--threads N] [--dtype float32] [--quantization int8]
 """
 import argparse
 import os
@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--model", help="a sentence-transformers folder (default: SmolLM2-135M saved as one)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", choices=["int8", "int4", "w8a8"],
+                        help="inferno's weights (default: float, as sentence-transformers runs them)")
     parser.add_argument("--num-texts", type=int, default=256)
     parser.add_argument("--min-tokens", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=500)
@@ -116,7 +118,7 @@ def main() -> None:
 
         from inferno import LLM
         llm = LLM(model=str(folder), runner="pooling", dtype=args.dtype, num_threads=args.threads,
-                  enable_prefix_caching=False)
+                  quantization=args.quantization, enable_prefix_caching=False)
 
         def inferno_run():
             return llm.embed(texts, use_tqdm=False)
@@ -129,13 +131,15 @@ def main() -> None:
 
 def report(args, model, num_tokens: int, st_seconds: float, inferno_seconds: float, min_cosine: float) -> None:
     n = args.num_texts
-    rows = [("sentence-transformers encode()", st_seconds), ("inferno LLM.embed", inferno_seconds)]
+    weights = f", {args.quantization} weights" if args.quantization else ""
+    rows = [("sentence-transformers encode()", st_seconds), (f"inferno LLM.embed{weights}", inferno_seconds)]
     table = ["| engine | seconds | prompts/s | tokens/s |", "| --- | --- | --- | --- |"]
     table += [f"| {name} | {s:.2f} | {n / s:.1f} | {num_tokens / s:.0f} |" for name, s in rows]
     body = "\n".join([
         "## Embeddings throughput",
         "",
-        f"`python benchmarks/embeddings.py --threads {args.threads} --dtype {args.dtype}` on {platform.machine()} "
+        f"`python benchmarks/embeddings.py --threads {args.threads} --dtype {args.dtype}"
+        f"{f' --quantization {args.quantization}' if args.quantization else ''}` on {platform.machine()} "
         f"({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}: {model}, {n} texts of {args.min_tokens}.."
         f"{args.max_tokens} tokens ({num_tokens} in all), last-token pooling, normalized; best of {args.repeats}.",
         "",
