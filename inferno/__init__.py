@@ -14,6 +14,10 @@ _EXPORTS = {
     "RequestOutput": "inferno.outputs",
     "CompletionOutput": "inferno.outputs",
     "Logprob": "inferno.outputs",
+    "PoolingRequestOutput": "inferno.outputs",
+    "EmbeddingRequestOutput": "inferno.outputs",
+    "EmbeddingOutput": "inferno.outputs",
+    "PoolingParams": "inferno.pooling_params",
 }
 __all__ = list(_EXPORTS)
 

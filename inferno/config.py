@@ -37,6 +37,23 @@ class MoEConfig:
     dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP instead (qwen MoE mlp_only_layers)
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's names
+
+
+@dataclass(slots=True)
+class PoolerConfig:
+    """How the model turns a prompt's final hidden states (after the final norm) into one embedding: the last
+    token's, the mean of all, or the first (CLS) token's; L2-normalized or not. `matryoshka_dimensions`: the
+    lengths the model was trained to be truncated to (an empty list: any length; None: not trained for it)."""
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    matryoshka_dimensions: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" | MoE: docs/models.md
@@ -69,6 +86,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rope base (no scaling there)
     moe: MoEConfig | None = None
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)  # embeddings (loader/pooler_config.py)
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -176,6 +194,8 @@ QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 # "auto": Triton on CUDA; on the CPU the native decode kernel where it can run the model, else PyTorch
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_kernel", "triton")
+# "generate": text generation, embeddings on request too; "pooling": an embedding model, which only pools
+RUNNERS = ("generate", "pooling")
 
 
 @dataclass
@@ -225,6 +245,7 @@ class EngineConfig:
     kv_transfer_backend: str = "gloo"
     kv_transfer_timeout: float = 30.0  # seconds a transfer may take; a prefill holds unpulled blocks this long
     kv_transfer_fallback: str = "recompute"  # decode, when a pull fails: compute the prompt, or "error"
+    runner: str = "generate"  # one of RUNNERS, as vLLM's --runner
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -236,6 +257,8 @@ class EngineConfig:
                 self.quantization == "int4" and self.quantization_group_size == PER_CHANNEL):
             raise ValueError(f"quantization_group_size must be one of {list(QUANTIZATION_GROUP_SIZES)} (or "
                              f"{PER_CHANNEL}: per output channel, int8 only), got {self.quantization_group_size}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "auto":

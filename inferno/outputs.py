@@ -1,5 +1,8 @@
-"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes, and for embedding requests its
+PoolingRequestOutput / EmbeddingRequestOutput."""
 from dataclasses import dataclass
+
+import torch
 
 from inferno.core.kv_transfer import KVTransferParams
 
@@ -49,3 +52,43 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     kv_transfer_params: KVTransferParams | None = None  # a prefill instance's: where the prompt's KV waits
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor  # the pooled vector (float32; empty when the request failed)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """An embedding request's result: one output, when its prompt has been computed (or it failed)."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, as vLLM's."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)

@@ -8,6 +8,7 @@ from inferno.core.kv_blocks import BlockHash
 from inferno.core.kv_transfer import KVTransferParams
 from inferno.core.token_counts import TokenCounts
 from inferno.outputs import PositionLogprobs, RequestMetrics
+from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams
 
 
@@ -36,7 +37,7 @@ FINISH_REASONS = {
 class Request(TokenCounts):
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], max_model_len: int, arrival_time: float | None = None,
-                 beam_search_id: str | None = None):
+                 beam_search_id: str | None = None, pooling_params: PoolingParams | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
@@ -67,6 +68,10 @@ class Request(TokenCounts):
         # where it left it for a decode instance (prefill side, once finished)
         self.remote_prefill: KVTransferParams | None = None
         self.kv_transfer_params: KVTransferParams | None = None
+        # an embedding request: it computes its prompt, then ends with the pooled vector (it samples nothing, and
+        # its sampling_params switch every sampling feature off)
+        self.pooling_params = pooling_params
+        self.pooled: torch.Tensor | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -226,14 +226,15 @@ def test_full_waiting_queue_answers_503_and_recovers(server):
 
 
 # fuzzing
-FUZZ_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize", "/v1/messages",
-              "/v1/messages/count_tokens"]
+FUZZ_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize",
+              "/v1/messages", "/v1/messages/count_tokens"]
 MAX_FUZZ_TOKENS = 2
 
 
 def bound_generation(body, path: str):
-    """Keep generated requests cheap on a CPU (at most 2 prompts, 2 samples and 2 new tokens each), and give
-    messages without content some text, so that more chat requests get past the chat template to the engine."""
+    """Keep generated requests cheap on a CPU (at most 2 prompts or embedding inputs, 2 samples and 2 new tokens
+    each), and give messages without content some text, so that more chat requests get past the chat template to the
+    engine."""
     if not isinstance(body, dict):
         return
     for message in body.get("messages") if isinstance(body.get("messages"), list) else []:
@@ -249,8 +250,9 @@ def bound_generation(body, path: str):
         body["max_tokens"] = MAX_FUZZ_TOKENS
     if isinstance(body.get("n"), int) and body["n"] > 2:
         body["n"] = 2
-    if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
-        body["prompt"] = body["prompt"][:2]
+    for name in ("prompt", "input"):
+        if isinstance(body.get(name), list) and body[name] and not isinstance(body[name][0], int):
+            body[name] = body[name][:2]
 
 
 @pytest.mark.parametrize("path", FUZZ_PATHS)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams
 
 
@@ -18,6 +19,7 @@ class NewRequestData:
     eos_token_ids: set[int]  # held back until min_tokens (empty with ignore_eos)
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing is sampled
 
 
 @dataclass(slots=True)
@@ -60,6 +62,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # request id -> per prompt position: ([1 + k] token ids, [1 + k] logprobs, rank of the prompt token)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    # request id -> the embedding of a pooling request whose prompt was completed by this step (float32, CPU)
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,8 @@ from inferno.engine.kv_transfer import KVTransferStats
 from inferno.engine.llm_engine import LLMEngine
 from inferno.executor import ExecutorDeadError
 from inferno.loader.tokenizer import Tokenizer
-from inferno.outputs import RequestOutput
+from inferno.outputs import PoolingRequestOutput, RequestOutput
+from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.spec_decode.metrics import SpecDecodingStats
 
@@ -83,7 +84,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
-        if isinstance(item, RequestOutput):
+        if isinstance(item, (RequestOutput, PoolingRequestOutput)):
             self.finished = item.finished
             return item
         self.finished = True
@@ -96,7 +97,7 @@ class RequestStream:
 class _AddRequest:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     stream: RequestStream
 
@@ -166,13 +167,14 @@ class AsyncLLM:
         return self.num_waiting_requests + self._pending_adds >= self.max_waiting_requests
 
     # requests (event loop side)
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                           arrival_time: float | None = None) -> RequestStream:
         """Hand a request to the engine; returns its stream once the engine accepted it. Raises what
         `LLMEngine.add_request` raises (ValueError for bad input), EngineDeadError when the loop is down."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
-        params = replace(params, output_kind=RequestOutputKind.DELTA)
+        if isinstance(params, SamplingParams):  # an embedding request has one output anyway
+            params = replace(params, output_kind=RequestOutputKind.DELTA)
         stream = RequestStream(request_id)
         with self._pending_adds_lock:
             self._pending_adds += 1

@@ -38,8 +38,12 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> list[int] | None:
         """The longest run of cached full blocks at the start of a request that has no blocks yet; None when the
-        request does not use the prefix cache. The last token is always left to compute: it yields the logits."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        request does not use the prefix cache. The last token is always left to compute: it yields the logits (or an
+        embedding). Prompt logprobs and embeddings pooled over more than the last token (MEAN, CLS) read the hidden
+        states of positions a hit would skip: those requests compute their whole prompt."""
+        pooling = request.pooling_params
+        if (not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None
+                or (pooling is not None and pooling.pooling_type != "LAST")):
             return None
         assert not request.block_ids
         blocks = []

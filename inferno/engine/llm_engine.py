@@ -18,9 +18,10 @@ from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.core.startup_gc import gc_paused
 from inferno.executor import ExecutorDeadError, make_executor
 from inferno.openmp import release_thread_pool
-from inferno.outputs import RequestOutput
+from inferno.outputs import PoolingRequestOutput, RequestOutput
+from inferno.pooling_params import PoolingParams
 from inferno.request import Request, RequestStatus
-from inferno.sampling_params import SamplingParams
+from inferno.sampling_params import RequestOutputKind, SamplingParams
 from inferno.spec_decode.metrics import SpecDecodingStats
 from inferno.structured_output.manager import StructuredOutputManager
 
@@ -28,6 +29,8 @@ logger = logging.getLogger("inferno")
 GRAMMAR_POLL_S = 0.02  # a step with nothing to run but grammars compiling waits this long for one
 # a step with nothing to run but KV transfers waits this long for one to end (new requests are taken after it)
 KV_TRANSFER_POLL_S = 0.005
+# the sampling parameters of an embedding request, which samples nothing: every sampling feature off
+PROMPT_ONLY = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -110,13 +113,20 @@ class LLMEngine:
         return model_len
 
     # requests in
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None) -> None:
+        """`params`: SamplingParams to generate, PoolingParams for the prompt's embedding."""
         if self.output_processor.has_request(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.config.runner == "pooling" and not isinstance(params, PoolingParams):
+            raise ValueError("this model runs with runner='pooling': it computes embeddings (LLM.embed, POST "
+                             "/v1/embeddings) and generates no text; start it with runner='generate' for that")
         request = self.input_processor.process(request_id, prompt, params or SamplingParams(), arrival_time)
         text, token_ids, params, arrival_time = (request.prompt, request.prompt_token_ids, request.sampling_params,
                                                  request.arrival_time)
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, text, token_ids, params, arrival_time)
+            return
         kv = params.kv_transfer_params
         if kv is not None:
             if self.kv_transfers is None:
@@ -147,6 +157,16 @@ class LLMEngine:
         for sample in state.samples:  # the other samples fork the first one's prompt
             self.scheduler.add_request(sample.request, fork_of=None if sample.index == 0 else leader)
 
+    def _add_pooling_request(self, request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,
+                             arrival_time: float) -> None:
+        """An embedding request: one prompt-only request, which ends with its pooled vector."""
+        req = Request(request_id, token_ids, PROMPT_ONLY, set(), self.max_model_len, arrival_time,
+                      pooling_params=params)
+        state = RequestState(request_id, text, token_ids, PROMPT_ONLY)
+        state.samples.append(SampleState(0, req, IncrementalDetokenizer(self.tokenizer, PROMPT_ONLY)))
+        self.output_processor.add_request(state)
+        self.scheduler.add_request(req)
+
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             search = self.beam_searches.pop(rid, None)
@@ -170,7 +190,7 @@ class LLMEngine:
         return len(self.output_processor.states) + len(self.beam_searches)
 
     # one step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         failed = self._fail_grammars() + self._finish_kv_transfers()
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:

@@ -1,10 +1,13 @@
 """Turns the engine's per-step progress into RequestOutputs: text deltas, logprobs, n > 1 grouping."""
 from dataclasses import dataclass, field
 
+import torch
+
 from inferno.engine.detokenizer import IncrementalDetokenizer
 from inferno.core.scheduler_output import ModelRunnerOutput
 from inferno.loader.tokenizer import Tokenizer
-from inferno.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from inferno.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, PositionLogprobs,
+                             RequestOutput)
 from inferno.request import Request
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 
@@ -67,7 +70,7 @@ class OutputProcessor:
         _, sample = self.sample_of[req.request_id]
         return sample.detokenizer.update([req.token_ids[-1]])
 
-    def make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
+    def make_outputs(self, touched: list[Request]) -> list[RequestOutput | PoolingRequestOutput]:
         """RequestOutputs for the requests whose samples changed this step (finished states are dropped)."""
         touched_states: dict[str, RequestState] = {}
         for req in touched:
@@ -86,7 +89,10 @@ class OutputProcessor:
                     self.sample_of.pop(s.request.request_id)
         return outputs
 
-    def _request_output(self, state: RequestState, touched_ids: set[str]) -> RequestOutput | None:
+    def _request_output(self, state: RequestState,
+                        touched_ids: set[str]) -> RequestOutput | PoolingRequestOutput | None:
+        if state.samples[0].request.pooling_params is not None:
+            return self._pooling_output(state)
         kind = state.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
             return None
@@ -100,6 +106,17 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=prompt_logprobs, outputs=completions, finished=state.finished,
             metrics=first.metrics, error=errors[0] if errors else None, kv_transfer_params=first.kv_transfer_params)
+
+    @staticmethod
+    def _pooling_output(state: RequestState) -> PoolingRequestOutput | None:
+        """An embedding request's one output: its vector, or its error."""
+        sample = state.samples[0]
+        if not state.finished:
+            return None
+        req = sample.request
+        data = req.pooled if req.pooled is not None else torch.empty(0)
+        return PoolingRequestOutput(state.request_id, PoolingOutput(data), state.prompt_token_ids, True,
+                                    state.prompt, req.metrics, sample.error)
 
     def _completion(self, s: SampleState, delta: bool) -> CompletionOutput | None:
         req = s.request

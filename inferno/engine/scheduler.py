@@ -7,6 +7,8 @@ first sample has computed the prompt, then fork its blocks and compute only the 
 A request with structured outputs stays waiting until its grammar is compiled; the requests behind it go ahead.
 A decode instance's request whose prompt was computed by a prefill instance is admitted with blocks for its
 prompt, then waits off the batch until its KV has been pulled (engine/kv_transfer.py).
+An embedding request (`pooling_params`) is a prompt-only request: chunked and batched like any prompt, it ends in
+the step that completes its prompt, with the vector rank 0 pooled, and gives its blocks back.
 """
 import time
 from collections import deque
@@ -153,9 +155,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish stopped requests; returns the requests that
-        got a new token or a prompt-logprob chunk. Rejected draft tokens are not computed: their KV slots are
-        written again by later steps, and a block enters the prefix cache only once all its tokens are accepted."""
+        """Advance computed tokens, append sampled tokens, finish stopped requests and embedding requests whose
+        prompt is complete; returns the requests that got a new token, a prompt-logprob chunk or their embedding.
+        Rejected draft tokens are not computed: their KV slots are written again by later steps, and a block enters
+        the prefix cache only once all its tokens are accepted."""
         updated = []
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests[rid]
@@ -176,6 +179,13 @@ class Scheduler:
                 # tokens after a stop were dropped: only what is in token_ids counts as computed
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv_cache_manager.cache_blocks(req)
+            pooled = output.pooler_output.get(rid)
+            if pooled is not None:  # an embedding request's prompt is complete: it ends with its vector
+                req.pooled = pooled
+                req.status = RequestStatus.FINISHED_STOPPED
+                self._free(req)
+                updated.append(req)
+                continue
             if req.request_id in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._start_forks(req)
             if stopped:

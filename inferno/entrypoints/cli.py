@@ -12,8 +12,8 @@ from inferno.core.startup_gc import gc_paused
 
 with gc_paused(freeze=True):  # importing torch and inferno builds objects as long-lived as the process (startup_gc)
     from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES,
-                                PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, EngineConfig,
-                                SpeculativeConfig)
+                                PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, RUNNERS,
+                                EngineConfig, SpeculativeConfig)
     from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
     from inferno.engine.input_processor import PromptType
     from inferno.engine.llm_engine import LLMEngine
@@ -82,6 +82,8 @@ ENGINE_FLAGS: dict[str, dict] = {
                                      "pulled after this long"),
     "kv_transfer_fallback": dict(choices=KV_TRANSFER_FALLBACKS,
                                  help="decode, when a KV transfer fails: compute the prompt here, or fail the request"),
+    "runner": dict(choices=RUNNERS, help="generate: text generation (embeddings on request too); pooling: an "
+                                         "embedding model, which only answers /v1/embeddings (docs/embeddings.md)"),
 }
 NOT_FLAGS = {"seed"}  # the engine's seed is not a flag: --seed is the request's (SamplingParams.seed)
 

@@ -12,7 +12,8 @@ from inferno.engine.input_processor import ChatMessage, PromptType
 from inferno.engine.llm_engine import LLMEngine
 from inferno.loader.calibration_file import default_calibration_path, write_calibration
 from inferno.loader.tokenizer import Tokenizer
-from inferno.outputs import RequestOutput
+from inferno.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import RequestOutputKind, SamplingParams
 
 CALIBRATION_SEQUENCE_TOKENS = 256  # calibration texts run as prefills of at most this many tokens
@@ -29,23 +30,48 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        sampling_params = sampling_params or SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = replace(sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
+        else:
+            sampling_params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params]
+        return self._run_requests(prompts, sampling_params, SamplingParams, use_tqdm)
+
+    def _run_requests(self, prompts: PromptType | Sequence[PromptType], params, kind: type, use_tqdm: bool) -> list:
+        """Add one request per prompt (`params`: one of `kind` for all, or one each) and run them to the end."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = [params] * len(prompts) if isinstance(params, kind) else list(params)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} {kind.__name__}")
         request_ids = []
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+                self.llm_engine.add_request(request_id, prompt, p)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)
             raise
         return self._run_engine(request_ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: the final hidden states pooled as the model's pooler config says (a
+        sentence-transformers folder's Pooling and Normalize modules; by default the last token's, normalized).
+        Works with either runner. Raises RuntimeError when a request failed."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm)
+        failed = next((o for o in outputs if o.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"embedding request {failed.request_id} failed: {failed.error}")
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """The pooled vectors as tensors (vLLM's LLM.encode); failed requests carry their error."""
+        return self._run_requests(prompts, pooling_params or PoolingParams(), PoolingParams, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int, max_tokens: int,
                     length_penalty: float = 1.0, early_stopping: bool | str = False, ignore_eos: bool = False,
@@ -96,8 +122,8 @@ class LLM:
         write_calibration(path, engine.model_config, smoothing, sum(map(len, sequences)), layers)
         return path
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2,
                   dynamic_ncols=True) as bar:
             while self.llm_engine.has_unfinished_requests():

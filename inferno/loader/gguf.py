@@ -11,6 +11,7 @@ from inferno.config import ModelConfig
 from inferno.layers.q4_k import Q4KBlocks
 from inferno.layers.q6_k import Q6KBlocks
 from inferno.layers.quantization import GroupQuantized, Q8Groups
+from inferno.loader.pooler_config import gguf_pooler_config
 from inferno.loader.gguf_architectures import (EXPERT_TENSORS, architecture_options, layer_tensor_overrides,
                                                to_hf_layout)
 from inferno.kernels import gguf_repack
@@ -86,7 +87,7 @@ def read_config(gguf_file: GGUFFile) -> ModelConfig:
     )
     options.update(architecture_options(arch, field, names, lambda name: float_weight(tensors[name]), hidden, heads,
                                         head_dim, options["num_hidden_layers"]))
-    return ModelConfig(**options)
+    return ModelConfig(**options, pooler=gguf_pooler_config(field, arch))
 
 
 def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:

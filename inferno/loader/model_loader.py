@@ -185,6 +185,11 @@ def load_weights(model: LlamaForCausalLM,
     if config.tie_word_embeddings:
         expected.discard(("lm_head.weight", 0))
     missing = sorted(n for n, _ in expected - loaded)
+    if missing == ["lm_head.weight"]:  # an embedding model saved without its head (sentence-transformers)
+        logger.warning("the checkpoint has no lm_head.weight: the output layer reuses the input embeddings, so "
+                       "its embeddings are right but generated text is not meaningful")
+        model.lm_head.weight = model.embed_tokens.weight
+        missing = []
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
     prequantized = {}

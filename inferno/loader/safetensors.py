@@ -10,6 +10,7 @@ from safetensors import safe_open
 from inferno.config import ModelConfig, MoEConfig, RopeScaling
 from inferno.layers.quantization import ZeroPointInt4
 from inferno.loader.awq_gptq import group_layers, read_quantization
+from inferno.loader.pooler_config import hf_pooler_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
                          "qwen2_moe", "qwen3_moe", "olmoe")
@@ -71,6 +72,7 @@ def read_config(folder: Path) -> ModelConfig:
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
         rope_local_theta=cfg.get("rope_local_base_freq") or (local_rope or {}).get("rope_theta"),
         moe=moe_config(model_type, cfg),
+        pooler=hf_pooler_config(folder, cfg),
     )
 
 

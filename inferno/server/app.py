@@ -25,11 +25,13 @@ from inferno.server.protocol import (
     TokenizeResponse)
 from inferno.server.protocol_anthropic import (
     AnthropicErrorResponse, CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest)
+from inferno.server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from inferno.server.protocol_responses import DeletedResponse, ResponsesRequest, ResponsesResponse
 from inferno.server.response_store import ResponseStore
 from inferno.server.serving import OpenAIError, OpenAIServing, server_error
 from inferno.server.serving_chat import ServingChat
 from inferno.server.serving_completion import ServingCompletion
+from inferno.server.serving_embedding import ServingEmbedding
 from inferno.server.serving_messages import ServingMessages, anthropic_error_response, is_messages_route
 from inferno.server.serving_responses import ServingResponses
 
@@ -82,6 +84,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     responses = ServingResponses(chat, response_store)
     messages = ServingMessages(chat)
     tokenizer = OpenAIServing(async_llm, model_name)
+    embeddings = ServingEmbedding(async_llm, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -157,6 +160,10 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=ANTHROPIC_ERROR_RESPONSES)
     async def count_message_tokens(request: CountTokensRequest) -> CountTokensResponse:
         return messages.count_tokens(request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.create(request, raw_request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from inferno.engine.async_llm import SchedulerStats
 from inferno.engine.kv_transfer import KVTransferStats
-from inferno.outputs import RequestOutput
+from inferno.outputs import PoolingRequestOutput, RequestOutput
 from inferno.spec_decode.metrics import SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -147,12 +147,13 @@ class PrometheusStatLogger:
             self.kv_transfer_seconds.observe(seconds)
         self._kv_transfer_totals = KVTransferStats(stats.num_bytes, stats.num_failures)
 
-    def _record_output(self, output: RequestOutput, now: float) -> None:
+    def _record_output(self, output: RequestOutput | PoolingRequestOutput, now: float) -> None:
         times = self._requests.get(output.request_id)
         if times is None:
             times = self._requests[output.request_id] = _RequestTimes()
             self.prompt_tokens.inc(len(output.prompt_token_ids))
-        num_new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        completions = output.outputs if isinstance(output, RequestOutput) else []  # an embedding generates none
+        num_new_tokens = sum(len(c.token_ids) for c in completions)
         metrics = output.metrics
         if num_new_tokens:
             self.generation_tokens.inc(num_new_tokens)
@@ -166,7 +167,7 @@ class PrometheusStatLogger:
                 self.inter_token_latency.observe(now - times.last_token_time)
             times.last_token_time = now
             times.num_generation_tokens += num_new_tokens
-        for completion in output.outputs:
+        for completion in completions:
             if completion.finish_reason is not None:
                 times.finish_reasons[completion.index] = completion.finish_reason
         if not output.finished:

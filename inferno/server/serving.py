@@ -13,6 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from inferno.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from inferno.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 from inferno.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
 
@@ -130,6 +131,17 @@ class OpenAIServing:
     def encode(self, text: str) -> EnginePrompt:
         return EnginePrompt(*self.input_processor.tokenize(text))
 
+    def prompts(self, prompt: str | list[str] | list[int] | list[list[int]], param: str) -> list[EnginePrompt]:
+        """A text, texts, token ids or lists of them (the body's field `param`), as the completions and embeddings
+        routes take them."""
+        if isinstance(prompt, str):
+            return [self.encode(prompt)]
+        if not prompt:
+            raise OpenAIError(f"{param} must not be empty", param=param)
+        if isinstance(prompt[0], int):
+            return [EnginePrompt(None, list(prompt))]
+        return [self.encode(p) if isinstance(p, str) else EnginePrompt(None, list(p)) for p in prompt]
+
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> EnginePrompt:
         conversation = [template_message(m) for m in messages]
@@ -141,7 +153,7 @@ class OpenAIServing:
 
     # engine
     async def add_requests(self, request_id: str, prompts: list[EnginePrompt],
-                           params: SamplingParams) -> list[RequestStream]:
+                           params: SamplingParams | PoolingParams) -> list[RequestStream]:
         """One engine request per prompt (`{request_id}-{i}` when there are several); all or none."""
         if self.async_llm.is_overloaded:
             raise OpenAIError("The server is overloaded: the waiting queue is full. Please retry later.",

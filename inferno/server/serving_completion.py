@@ -23,7 +23,7 @@ class ServingCompletion(OpenAIServing):
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of other than n is not supported", param="best_of")
-        prompts = self.prompts(request.prompt)
+        prompts = self.prompts(request.prompt, "prompt")
         for prompt in prompts:
             self.check_length(prompt, request.max_tokens, "max_tokens")
         prompt_logprobs = request.logprobs if request.echo else None
@@ -39,15 +39,6 @@ class ServingCompletion(OpenAIServing):
                                                                         headers))
         finally:
             self.abort_unfinished(streams)
-
-    def prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[EnginePrompt]:
-        if isinstance(prompt, str):
-            return [self.encode(prompt)]
-        if not prompt:
-            raise OpenAIError("prompt must not be empty", param="prompt")
-        if isinstance(prompt[0], int):
-            return [EnginePrompt(None, list(prompt))]
-        return [self.encode(p) if isinstance(p, str) else EnginePrompt(None, list(p)) for p in prompt]
 
     def prompt_text(self, prompt: EnginePrompt) -> str:
         if prompt.text is not None:

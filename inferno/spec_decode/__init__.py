@@ -8,9 +8,10 @@ def num_drafts_wanted(request: Request, num_speculative_tokens: int) -> int:
 
     Only requests that decode next (their one new token is all that is left to compute) speculate, and never past
     max_tokens: a step emits at most drafts + 1 tokens. Requests that want logprobs do not speculate (their
-    logprobs would have to come from the verification pass), nor do beams (their search picks every token)."""
+    logprobs would have to come from the verification pass), nor do beams (their search picks every token), nor
+    embedding requests (they never decode)."""
     if (request.status != RequestStatus.RUNNING or request.sampling_params.logprobs is not None
-            or request.beam_search_id is not None):
+            or request.beam_search_id is not None or request.pooling_params is not None):
         return 0
     if request.num_computed_tokens != request.num_tokens - 1:
         return 0

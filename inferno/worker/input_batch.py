@@ -9,6 +9,7 @@ from inferno.core.kv_blocks import cdiv
 from inferno.core.scheduler_output import SchedulerOutput
 import torch
 
+from inferno.worker.pooler import PoolingChunk, pooled_positions
 from inferno.worker.request_state import CachedRequestState
 
 MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks over cached context up to this long attend as decode rows
@@ -38,6 +39,12 @@ class MicroBatch:
     decodes: list[tuple[int, list[int]]]  # per decode token: (sequence length, block ids it reads)
     prefills: list[tuple[int, int, list[int]]]  # per prefill chunk: (tokens, tokens already cached, block ids)
     logit_rows: list[int]  # tokens whose final hidden states become logits (sampling, prompt logprobs)
+    pooling_rows: list[int] = field(default_factory=list)  # tokens whose final hidden states are pooled (embeddings)
+
+    @property
+    def output_rows(self) -> list[int]:
+        """The tokens whose final hidden states the step needs: logit rows, then pooling rows."""
+        return self.logit_rows + self.pooling_rows
 
 
 @dataclass(slots=True)
@@ -48,6 +55,10 @@ class StepInput:
     @property
     def num_logit_rows(self) -> int:
         return sum(len(mb.logit_rows) for mb in self.micro_batches)
+
+    @property
+    def num_pooling_rows(self) -> int:
+        return sum(len(mb.pooling_rows) for mb in self.micro_batches)
 
 
 @dataclass(slots=True)
@@ -64,6 +75,7 @@ class StepPlan:
     spec_token_ids: list[list[int]] = field(default_factory=list)
     spec_draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     spec_rows: list[int] = field(default_factory=list)
+    pooling: list[PoolingChunk] = field(default_factory=list)  # embedding requests' chunks (rank 0 pools them)
 
 
 def plan_step(sched: SchedulerOutput, states: dict[str, CachedRequestState], block_size: int,
@@ -123,12 +135,17 @@ def _append(mb: MicroBatch, chunk: TokenChunk, block_size: int) -> int:
 def _lay_out(chunks: list[tuple[CachedRequestState, TokenChunk]], sched: SchedulerOutput, block_size: int,
              plan: StepPlan) -> MicroBatch:
     mb = MicroBatch([], [], [], [], [], [])
-    first_logit = plan.step.num_logit_rows
+    first_logit, first_pooled = plan.step.num_logit_rows, plan.step.num_pooling_rows
     for req, chunk in chunks:
         start = _append(mb, chunk, block_size)
         c, n = chunk.start, len(chunk.token_ids)
         drafts = sched.spec_token_ids.get(req.request_id)
-        if drafts:  # the target's distributions at the last token and after every draft
+        if req.pooling_params is not None:
+            positions = pooled_positions(req.pooling_params, c, n, req.num_prompt_tokens)
+            row = first_pooled + len(mb.pooling_rows)
+            plan.pooling.append(PoolingChunk(req, range(row, row + len(positions)), c, c + n == req.num_tokens))
+            mb.pooling_rows.extend(start + p - c for p in positions)
+        elif drafts:  # the target's distributions at the last token and after every draft
             plan.spec_requests.append(req)
             plan.spec_token_ids.append(drafts)
             plan.spec_draft_probs.append(sched.draft_probs.get(req.request_id))

@@ -33,6 +33,7 @@ from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.huge_pages import move_weights_to_huge_pages
 from inferno.worker.kv_cache import available_memory, lazily_zeroed
+from inferno.worker.pooler import pool
 from inferno.worker.request_state import CachedRequestState, update_states
 
 
@@ -219,8 +220,11 @@ class ModelRunner:
                 self._tile_once()
             update_states(self.requests, sched, self.device)
             plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
-            logits = self.run_step(plan.step)
+            logits, pooling_hidden = self.forward_step(plan.step)
             output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
+            if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)
+                normed = self.model.norm(pooling_hidden).float() if pooling_hidden is not None else None
+                output.pooler_output = pool(plan.pooling, normed)
         if not self.first_step_done.is_set():  # once: Event.set takes a lock
             self.first_step_done.set()
         return output
@@ -228,19 +232,33 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Logits [step.num_logit_rows, vocab] on rank 0; None on the other ranks."""
+        return self.forward_step(step)[0]
+
+    def forward_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits [step.num_logit_rows, vocab] and the final hidden states of the pooling rows (before the final
+        norm) [step.num_pooling_rows, hidden], on rank 0 (the hidden states on every rank of the first stage)."""
         if step.block_copies:
             sources, destinations = torch.tensor(step.block_copies, dtype=torch.long, device=self.device).unbind(1)
             for attn in self.model.attention_layers:
                 attn.copy_blocks(sources, destinations)
         if self.parallel.pp_size == 1:
-            hidden = [self.forward(mb)[mb.logit_rows] for mb in step.micro_batches]
-            return self.model.compute_logits(torch.cat(hidden)) if step.num_logit_rows else None
-        stage = (self.forward, step, self.parallel, self.config.hidden_size, self.dtype, self.device)
-        if not self.parallel.is_first_stage:
-            run_later_stage(*stage)
-            return None
-        logits = [self.model.compute_logits(hidden) for hidden in run_first_stage(*stage)]
-        return torch.cat(logits) if logits and logits[0] is not None else None
+            batches = step.micro_batches
+            outputs = (self.forward(mb)[mb.output_rows] for mb in batches)
+        elif not self.parallel.is_first_stage:
+            run_later_stage(self.forward, step, self.parallel, self.config.hidden_size, self.dtype, self.device)
+            return None, None
+        else:
+            batches = [mb for mb in step.micro_batches if mb.output_rows]
+            outputs = run_first_stage(self.forward, step, self.parallel, self.config.hidden_size, self.dtype,
+                                      self.device)
+        logits, pooling = [], []
+        # with stages, each micro-batch's logits as it comes back (the generator first: it ends by waiting on its sends)
+        for hidden, mb in zip(outputs, batches):
+            if mb.logit_rows:
+                logits.append(self.model.compute_logits(hidden[:len(mb.logit_rows)]))
+            pooling.append(hidden[len(mb.logit_rows):])
+        logits = torch.cat(logits) if logits and logits[0] is not None else None
+        return logits, torch.cat(pooling) if step.num_pooling_rows else None
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""

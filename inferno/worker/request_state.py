@@ -5,6 +5,7 @@ import torch
 
 from inferno.core.scheduler_output import NewRequestData, SchedulerOutput
 from inferno.core.token_counts import TokenCounts
+from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams
 
 
@@ -19,6 +20,8 @@ class CachedRequestState(TokenCounts):
     num_computed_tokens: int
     generator: torch.Generator | None  # seeded requests: every random draw of the request, in order
     num_prompt_logprobs: int  # prompt positions scored so far (the first one, which has no logprob, counts)
+    pooling_params: PoolingParams | None = None  # an embedding request (worker/pooler.py)
+    pooled: torch.Tensor | None = None  # rank 0: what its pooling has gathered from the chunks computed so far
 
     @classmethod
     def from_new(cls, data: NewRequestData, device: torch.device) -> "CachedRequestState":
@@ -26,7 +29,7 @@ class CachedRequestState(TokenCounts):
         generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
         return cls(data.req_id, list(data.prompt_token_ids), data.prompt_token_ids + data.output_token_ids, params,
                    data.eos_token_ids, list(data.block_ids), data.num_computed_tokens, generator,
-                   int(params.prompt_logprobs is not None))
+                   int(params.prompt_logprobs is not None), data.pooling_params)
 
 
 def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
