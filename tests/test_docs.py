@@ -19,10 +19,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 # README links to pages written on other branches at the same time; the lead empties this set when they land
-PAGES_FROM_OTHER_BRANCHES = {"docs/api-responses.md", "docs/api-messages.md", "docs/embeddings.md",
-                             "docs/warm-up.md", "docs/kernels.md", "docs/benchmarks.md"}
-
-
 def python_blocks(page: Path) -> list[tuple[int, str]]:
     """(first line number, source) of each ```python block."""
     blocks, lines = [], page.read_text().split("\n")
@@ -115,8 +111,6 @@ def test_relative_links_resolve(page):
             continue
         path, _, anchor = target.partition("#")
         resolved = (page.parent / path).resolve() if path else page
-        if str(resolved.relative_to(ROOT)) in PAGES_FROM_OTHER_BRANCHES:
-            continue
         assert resolved.exists(), f"{page.name}: broken link {target}"
         if anchor and resolved.suffix == ".md":
             assert anchor in anchors(resolved), f"{page.name}: no heading for #{anchor} in {resolved.name}"
