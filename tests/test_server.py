@@ -312,6 +312,24 @@ def test_metrics_count_a_known_number_of_requests_and_tokens(client, server):
     assert "inferno:num_preemptions_total" in after
 
 
+
+def test_http_metrics_count_each_route_by_its_path_template(client, server):
+    before = server.metrics()
+    greedy_completion(client, max_tokens=1)
+    assert httpx.get(f"{server.url}/v1/responses/resp_unknown").status_code == 404
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": -1}).status_code == 400
+    after = server.metrics()
+
+    def delta(labels: str) -> float:
+        name = f"http_requests_total{{{labels}}}"
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("handler=/v1/completions,method=POST,status=2xx") == 1
+    assert delta("handler=/v1/completions,method=POST,status=4xx") == 1
+    assert delta("handler=/v1/responses/{response_id},method=GET,status=4xx") == 1
+    duration = "http_request_duration_seconds_count{handler=/v1/completions,method=POST}"
+    assert after[duration] - before.get(duration, 0.0) == 2
+
 # prefix caching and beam search
 def test_prefix_cache_counters_and_reset(client, server):
     prompt = "You are a helpful assistant who answers questions about the sea and the weather. " * 6

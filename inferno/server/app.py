@@ -18,6 +18,7 @@ from inferno.core.startup_gc import gc_paused
 from inferno.engine.async_llm import AsyncLLM
 from inferno.engine.llm_engine import LLMEngine
 from inferno.server.cli_args import ServerConfig
+from inferno.server.http_metrics import HTTPMetricsMiddleware
 from inferno.server.metrics import PrometheusStatLogger
 from inferno.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
@@ -95,6 +96,7 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
     app = FastAPI(title="inferno", description="OpenAI-compatible LLM server", lifespan=lifespan)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTPMetricsMiddleware, registry=registry)  # outermost: 401s counted too
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> Response:
