@@ -42,7 +42,8 @@ from inferno.cpu_features import cpu_flags
 from inferno.layers.attention import Attention
 from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
-from inferno.layers.quantization.groups import GroupQuantized, Q8Groups, quantize_int4, quantize_int8, quantize_q8_symmetric
+from inferno.layers.quantization.groups import (GroupQuantized, Q8Groups, quantize_int4, quantize_int8,
+                                                quantize_q8_symmetric)
 from inferno.layers.quantization.int4 import Int4Linear, pack_int4
 from inferno.layers.quantization.int8 import Int8GroupLinear
 from inferno.layers.quantization.q6_k import Q6KBlocks, Q6KLinear

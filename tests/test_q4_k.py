@@ -1,8 +1,9 @@
-"""GGUF Q4_K run as stored (layers/quantization/q4_k.py, kernels/q4_k_gemv.cpp): the super-blocks hold the file's weights bit
-for bit (no repack at load), the kernel computes the float sums of the int8-rounded rows on every path this CPU can
-run (the -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized
-weight for decode-sized and large batches. The tiles the engine regroups the blocks into keep every value, their
-kernel computes the same sums on every path, and an engine switches to them between its first step and its second."""
+"""GGUF Q4_K run as stored (layers/quantization/q4_k.py, kernels/q4_k_gemv.cpp): the super-blocks hold the file's
+weights bit for bit (no repack at load), the kernel computes the float sums of the int8-rounded rows on every path
+this CPU can run (the -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its
+dequantized weight for decode-sized and large batches. The tiles the engine regroups the blocks into keep every
+value, their kernel computes the same sums on every path, and an engine switches to them between its first step and
+its second."""
 
 import gguf
 import numpy as np

@@ -1,5 +1,5 @@
-"""GGUF Q6_K run as stored (layers/quantization/q6_k.py, kernels/q6_k_gemv.cpp): the super-blocks hold the file's weights bit
-for bit, the kernel computes the float sums of the int8-rounded rows on every path this CPU can run (the
+"""GGUF Q6_K run as stored (layers/quantization/q6_k.py, kernels/q6_k_gemv.cpp): the super-blocks hold the file's
+weights bit for bit, the kernel computes the float sums of the int8-rounded rows on every path this CPU can run (the
 -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized weight
 for decode-sized and large batches."""
 import gguf

@@ -76,9 +76,9 @@ class Int4Linear(QuantizedLinear):
 
 def pack_int4(weight: GroupQuantized | ZeroPointInt4) -> torch.Tensor:
     """4-bit codes [N, K] (K a multiple of 32), scales and mins (or zero points) [N, groups] -> the int4 kernel's
-    rows, uint8 [N, K / 2 + 4 * groups]. The codes go in chunks of INT4_CHUNK_BLOCKS blocks of 32 (the last may be shorter);
-    a chunk of b blocks is 4 runs of 4 * b bytes, run v holding 4 bytes per block: codes 4v..4v+3 of the block in
-    the low nibbles, codes 16 + 4v..16 + 4v + 3 in the high ones."""
+    rows, uint8 [N, K / 2 + 4 * groups]. The codes go in chunks of INT4_CHUNK_BLOCKS blocks of 32 (the last may be
+    shorter); a chunk of b blocks is 4 runs of 4 * b bytes, run v holding 4 bytes per block: codes 4v..4v+3 of the
+    block in the low nibbles, codes 16 + 4v..16 + 4v + 3 in the high ones."""
     n, k = weight.codes.shape
     chunks = []
     for chunk in weight.codes.view(n, k // 32, 32).split(INT4_CHUNK_BLOCKS, dim=1):

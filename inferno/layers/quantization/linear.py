@@ -30,11 +30,15 @@ class QuantizedLinear(nn.Module):
         self.native = native
         self.gemm_from_rows = gemm_from_rows(self.weight_format)
         self.compute_dtype = compute_dtype()
-        self.register_buffer("bias", bias)
-        if self.tile_rows:
-            self.register_buffer("tiles", None)
+        # the forward reads both every call: what stays None is a plain attribute (a buffer is a slower lookup)
+        if bias is None:
+            self.bias = None
         else:
-            self.tiles = None  # never made: a plain attribute, cheaper for the forward to read than a buffer
+            self.register_buffer("bias", bias)
+        if self.tile_rows:
+            self.register_buffer("tiles", None)  # set by `tile`: a buffer, moved with the weights (huge pages)
+        else:
+            self.tiles = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, padded K] as it arrives -> [M, N] by the format's kernel."""

@@ -61,7 +61,7 @@ class W8A8Linear(QuantizedLinear):
     """`weight` acts on the input as it arrives (smoothing folded in), times `input_scales` if given; rotated: its
     input is rotated per block of rotation_block(in_features) channels first. Its `gemm` is the int8 x int8 product,
     its `matmul` the weight-only kernel; both add the bias in float32, before the output is rounded to the input's
-    dtype (`output_bias`: the forward's own `bias`, added after, stays None)."""
+    dtype (`output_bias`: the forward's own `bias`, added after the rounding, stays None)."""
     weight_format = "w8a8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_scales: torch.Tensor | None = None,
@@ -122,9 +122,9 @@ class W8A8Linear(QuantizedLinear):
         return (y if self.output_bias is None else y.add_(self.output_bias)).to(x.dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The weight-only product (bfloat16 activations), plus the bias: [M, N] in x's dtype."""
+        """The weight-only product (bfloat16 activations), plus the bias: [M, N] float32."""
         y = torch._weight_int8pack_mm(self.prepare_input(x).bfloat16(), self.weight, self.scales_bf16).float()
-        return (y if self.output_bias is None else y.add_(self.output_bias)).to(x.dtype)
+        return y if self.output_bias is None else y.add_(self.output_bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`: the codes times their scales, acting on the prepared input (`prepare_input`)."""
