@@ -326,6 +326,15 @@ def test_q8_groups_cat_fills_missing_mins_with_zeros():
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
 
 
+def test_zero_point_groups_stack_with_their_zero_points_and_take_them_by_name():
+    codes = torch.randint(0, 16, (6, 64), dtype=torch.uint8)
+    a = ZeroPointInt4(codes, torch.rand(6, 2).half(), zeros=torch.randint(0, 17, (6, 2), dtype=torch.uint8))
+    b = a.map_rows(lambda t: t[[5, 0, 3]])
+    assert torch.equal(ZeroPointInt4.cat([a, b]).dequantize(), torch.cat([a.dequantize(), a.dequantize()[[5, 0, 3]]]))
+    with pytest.raises(ValueError, match="zeros="):
+        ZeroPointInt4(a.codes, a.scales, a.zeros)  # the third field is the mins
+
+
 def test_compute_dtype_is_bfloat16_only_with_native_bfloat16_gemms():
     assert compute_dtype() == (torch.bfloat16 if has_native_bfloat16() else torch.float32)
 

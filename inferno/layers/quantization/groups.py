@@ -10,6 +10,7 @@ name which layer computes with them:
 - `ZeroPointInt4`: 4-bit codes with a float16 scale and an integer zero point (AWQ / GPTQ; `Int4Linear`).
 """
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -44,12 +45,12 @@ class GroupCodes:
         w = w * self.scales.float().unsqueeze(-1)
         return (w if self.mins is None else w + self.mins.unsqueeze(-1)).view(n, k)
 
-    def map_rows(self, fn):
+    def map_rows(self, fn) -> Self:
         """Apply a row permutation (e.g. the rotary row order of Q/K) to every tensor alike."""
         return type(self)(*(None if t is None else fn(t) for t in (self.codes, self.scales, self.mins, self.zeros)))
 
     @classmethod
-    def cat(cls, parts: list["GroupCodes"]):
+    def cat(cls, parts: list[Self]) -> Self:
         """Stacked along the output rows; a part without mins gets zeros when another has them."""
         mins = None
         if any(p.mins is not None for p in parts):
