@@ -17,7 +17,8 @@ class QuantizedLinear(nn.Module):
 
     A subclass names its `weight_format` (its row threshold, `thresholds.GEMM_FROM_ROWS`) and supplies `matmul` and
     `dequantize`; a format with tiles also `tile_rows`, `make_tiles` and `tiles_matmul`. `native`: the kernels are
-    built (else every batch runs the GEMM)."""
+    built (else every batch runs the GEMM). `gemm_from_rows` and `compute_dtype` are read once, when the layer is
+    made, for the CPU's instruction set then (thresholds.py)."""
     weight_format: ClassVar[str]
     tile_rows: ClassVar[int] = 0  # weight rows per tile; 0: the format has no tiles
     unread_when_tiled: ClassVar[tuple[str, ...]] = ("weight",)  # the buffers the tiles replace in the forward
@@ -36,7 +37,7 @@ class QuantizedLinear(nn.Module):
         else:
             self.register_buffer("bias", bias)
         if self.tile_rows:
-            self.register_buffer("tiles", None)  # set by `tile`: a buffer, moved with the weights (huge pages)
+            self.register_buffer("tiles", None)  # set by `tile`: a buffer, which the huge-page move sees
         else:
             self.tiles = None
 
