@@ -42,13 +42,18 @@ from inferno.cpu_features import cpu_flags
 from inferno.layers.attention import Attention
 from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
-from inferno.layers.q6_k import Q6KBlocks, Q6KLinear
-from inferno.layers.quantization import (COMPUTE_DTYPE, GroupQuantized, Int4Linear, Int8GroupLinear, Q8Groups, Q8Linear,
-                                         pack_int4, quantize_int4, quantize_int8, quantize_q8_symmetric)
+from inferno.layers.quantization.groups import (GroupQuantized, Q8Groups, quantize_int4, quantize_int8,
+                                                quantize_q8_symmetric)
+from inferno.layers.quantization.int4 import Int4Linear, pack_int4
+from inferno.layers.quantization.int8 import Int8GroupLinear
+from inferno.layers.quantization.q6_k import Q6KBlocks, Q6KLinear
+from inferno.layers.quantization.q8 import Q8Linear
+from inferno.layers.quantization.thresholds import compute_dtype
 from inferno.loader.gguf_blocks import T, q8_groups
 from inferno.worker.cpu_malloc import keep_freed_memory
 from results_md import write_section  # benchmarks/results_md.py (scripts run from this folder)
 
+COMPUTE_DTYPE = compute_dtype()  # the quantized layers' dense GEMMs on this CPU
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused QKV, O, fused gate/up, down
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576

@@ -22,10 +22,11 @@ import torch
 
 from inferno import LLM
 from inferno.engine.llm_engine import LLMEngine
-from inferno.layers.native_quantization import QuantizedEmbedding
-from inferno.layers.q6_k import Q6KEmbedding
-from inferno.layers.super_blocks import SuperBlockLinear
-from inferno.layers.quantization import Int4Linear, Q8Linear
+from inferno.layers.quantization.native import QuantizedEmbedding
+from inferno.layers.quantization.q6_k import Q6KEmbedding
+from inferno.layers.quantization.super_blocks import SuperBlockLinear
+from inferno.layers.quantization.int4 import Int4Linear
+from inferno.layers.quantization.q8 import Q8Linear
 from inferno.loader import gguf as gguf_loader
 from inferno.request import Request
 from inferno.sampling_params import SamplingParams

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import inferno.layers.quantization as quantization
 from conftest import FLOAT32, is_near_tie, prefill_logits
 from inferno import LLM, SamplingParams
-from inferno.layers.quantization import Int4Linear, ZeroPointInt4, unpack_int4
+from inferno.layers.quantization.groups import ZeroPointInt4
+from inferno.layers.quantization.int4 import Int4Linear, unpack_int4
 from inferno.layers.rotary import interleave_rotary_rows
 from inferno.worker.model_runner import ModelRunner
 from test_architectures import hf_greedy, prompts
@@ -32,7 +32,7 @@ def test_int4_kernel_with_zero_points_matches_dequantized_weights(group_size):
     n, k = 48, 384
     weight = ZeroPointInt4(torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8),
                            (0.01 * torch.rand(n, k // group_size, generator=generator)).half(),
-                           torch.randint(0, 17, (n, k // group_size), generator=generator, dtype=torch.uint8))
+                           zeros=torch.randint(0, 17, (n, k // group_size), generator=generator, dtype=torch.uint8))
     layer = Int4Linear(weight, None)
     reference = weight.dequantize()  # (codes - zeros) * scales, exact in float32
     x = torch.randn(5, k, generator=generator)
@@ -150,8 +150,9 @@ def test_quantized_checkpoint_loads_its_integers_and_matches_hf(tmp_path, monkey
         ref = hf_model(torch.tensor([prompt])).logits[0]
     kernel_logits = prefill_logits(llm.llm_engine, prompt)  # 60 rows: the int4 kernel on every CPU
     assert ((kernel_logits - ref).norm() / ref.norm()).item() < KERNEL_LOGIT_TOLERANCE
-    monkeypatch.setattr(quantization, "INT4_DEQUANTIZE_FROM_ROWS", 1)  # the dense path: exact weights, float32
-    monkeypatch.setattr(quantization, "COMPUTE_DTYPE", torch.float32)
+    for layer in (m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Int4Linear)):
+        monkeypatch.setattr(layer, "gemm_from_rows", 1)  # the dense path: exact weights, float32
+        monkeypatch.setattr(layer, "compute_dtype", torch.float32)
     assert (prefill_logits(llm.llm_engine, prompt) - ref).abs().max().item() < LOGIT_TOLERANCE
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     compared = 0

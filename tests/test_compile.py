@@ -11,8 +11,9 @@ from torch._dynamo.utils import counters
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.cpu_features import cpu_flags
-from inferno.layers.quantization import Int4Linear, Q8Linear
-from inferno.layers.super_blocks import SuperBlockLinear
+from inferno.layers.quantization.int4 import Int4Linear
+from inferno.layers.quantization.q8 import Q8Linear
+from inferno.layers.quantization.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker import model_runner
 from inferno.worker.model_runner import ModelRunner, vector_width_option

@@ -11,11 +11,12 @@ from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
 from inferno.cpu_features import has_native_bfloat16
 from inferno.distributed.parallel_state import ParallelRank
-from inferno.layers.native_quantization import GGUFRowsEmbedding, QuantizedEmbedding
-from inferno.layers.q4_k import Q4KLinear
-from inferno.layers.q6_k import Q6KEmbedding, Q6KLinear
-from inferno.layers.quantization import Int4Linear, Q8Linear
-from inferno.layers.super_blocks import ShardedLinear
+from inferno.layers.quantization.native import GGUFRowsEmbedding, QuantizedEmbedding
+from inferno.layers.quantization.q4_k import Q4KLinear
+from inferno.layers.quantization.q6_k import Q6KEmbedding, Q6KLinear
+from inferno.layers.quantization.int4 import Int4Linear
+from inferno.layers.quantization.q8 import Q8Linear
+from inferno.layers.quantization.super_blocks import ShardedLinear
 from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, q8_groups
 from inferno.loader.model_loader import load_model
 from tiny_gguf import HEADS, HIDDEN, KV_HEADS, T, random_blocks, write_tiny_gguf

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from inferno.layers.quantization import Int4Linear, pack_int4
-from inferno.layers.quantization import GroupQuantized
+from inferno.layers.quantization.int4 import Int4Linear, pack_int4
+from inferno.layers.quantization.groups import GroupQuantized
 from inferno.loader.gguf_blocks import (INT4_TYPES, Q8_TYPES, int4_groups, int4_rows, pack_int4_shards, q8_groups,
                                         q8_groups_reference)
 from native_kernels import needs_kernels

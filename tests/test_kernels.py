@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from inferno.cpu_features import cpu_flags, cpu_key, has_native_bfloat16, isa_cflags
 from inferno.kernels import quantized_gemv
 from inferno.kernels.library import extension_name, kernels_disabled
-from inferno.layers import quantization
-from inferno.layers.quantization import (Int4Linear, Q8Groups, Q8Linear, ZeroPointInt4, quantize_int4,
-                                         quantize_q8_symmetric)
+from inferno.layers.quantization.groups import Q8Groups, ZeroPointInt4, quantize_int4, quantize_q8_symmetric
+from inferno.layers.quantization.int4 import Int4Linear
+from inferno.layers.quantization.q8 import Q8Linear
+from inferno.layers.quantization.thresholds import GEMM_FROM_ROWS, compute_dtype, gemm_from_rows
 from native_kernels import (EACH_ISA_LEVEL, isa_level_int4_tiles_outputs, isa_level_q8_tiles_outputs,
                             needs_kernels)
 
@@ -126,7 +127,7 @@ def int4_layer(n: int, k: int, group_size: int, zero_points: bool, seed: int) ->
     weight.codes[0], weight.codes[1] = 15, 0
     if zero_points:
         zeros = torch.randint(0, 17, weight.scales.shape, dtype=torch.uint8, generator=g)
-        weight = ZeroPointInt4(weight.codes, weight.scales.half(), zeros)
+        weight = ZeroPointInt4(weight.codes, weight.scales.half(), zeros=zeros)
     return Int4Linear(weight, None)
 
 
@@ -184,7 +185,7 @@ def test_each_isa_level_of_the_int4_tiles_kernel_computes_the_same_sums(tmp_path
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 6, quantization.INT4_DEQUANTIZE_FROM_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 6, gemm_from_rows("int4") + 1])
 def test_tiled_int4_linear_computes_the_kernels_sums_at_every_batch_size(rows):
     weight = quantize_int4(torch.randn(208, 600, generator=torch.Generator().manual_seed(rows)), 32)
     layer = Int4Linear(weight, bias=torch.randn(208), in_features=600)  # 8 appended columns, ignored
@@ -196,7 +197,7 @@ def test_tiled_int4_linear_computes_the_kernels_sums_at_every_batch_size(rows):
     assert y.shape == (2, rows, 208) and layer.tiles is not None
     ref = quantize_rows_like_q8(F.pad(x.reshape(-1, 600), (0, 8))).double() @ layer.dequantize().double().t()
     assert_close_to(y.reshape(-1, 208) - layer.bias, ref)
-    if rows < quantization.INT4_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the packed rows' kernel
+    if rows < layer.gemm_from_rows:  # the same integer sums as the packed rows' kernel
         torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
 
 
@@ -263,7 +264,7 @@ def test_each_isa_level_of_the_q8_tiles_kernel_computes_the_same_sums(tmp_path, 
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 6, quantization.Q8_DEQUANTIZE_FROM_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 6, gemm_from_rows("q8") + 1])
 def test_tiled_q8_linear_computes_the_kernels_sums_at_every_batch_size(rows):
     layer = Q8Linear(random_q8_groups(208, 128, 32, with_mins=False, seed=rows), in_features=100,
                      bias=torch.randn(208))  # 28 appended columns, ignored
@@ -274,7 +275,7 @@ def test_tiled_q8_linear_computes_the_kernels_sums_at_every_batch_size(rows):
     assert y.shape == (2, rows, 208) and layer.tiles is not None
     ref = quantize_rows_like_q8(F.pad(x.reshape(-1, 100), (0, 28))).double() @ layer.dequantize().double().t()
     assert_close_to(y.reshape(-1, 208) - layer.bias, ref)
-    if rows < quantization.Q8_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the untiled kernel
+    if rows < layer.gemm_from_rows:  # the same integer sums as the untiled kernel
         torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
 
 
@@ -285,7 +286,7 @@ def test_q8_linear_tiles_only_symmetric_groups_of_32_and_whole_tiles(n, group_si
     assert not layer.can_tile and layer.tiles is None
 
 
-@pytest.mark.parametrize("rows", [1, 6, quantization.Q8_DEQUANTIZE_FROM_ROWS + 1])  # the last: dense GEMM
+@pytest.mark.parametrize("rows", [1, 6, gemm_from_rows("q8") + 1])  # the last: dense GEMM
 @pytest.mark.parametrize("group_size, with_mins", [(32, False), (16, False), (32, True), (16, True)])
 @pytest.mark.parametrize("native", [True, False])
 def test_q8_linear_matches_its_dequantized_weight(rows, group_size, with_mins, native):
@@ -301,7 +302,7 @@ def test_q8_linear_matches_its_dequantized_weight(rows, group_size, with_mins, n
     ref = x @ weight.dequantize()[:, :100].t() + layer.bias
     y = layer(x)
     assert y.shape == (2, rows, 200) and y.dtype == torch.float32
-    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations (or COMPUTE_DTYPE)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-2  # int8-quantized activations (or the GEMM in compute_dtype)
 
 
 def test_q8_linear_from_float_holds_symmetric_groups_of_32():
@@ -324,8 +325,27 @@ def test_q8_groups_cat_fills_missing_mins_with_zeros():
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
 
 
+def test_zero_point_groups_stack_with_their_zero_points_and_take_them_by_name():
+    codes = torch.randint(0, 16, (6, 64), dtype=torch.uint8)
+    a = ZeroPointInt4(codes, torch.rand(6, 2).half(), zeros=torch.randint(0, 17, (6, 2), dtype=torch.uint8))
+    b = a.map_rows(lambda t: t[[5, 0, 3]])
+    assert torch.equal(ZeroPointInt4.cat([a, b]).dequantize(), torch.cat([a.dequantize(), a.dequantize()[[5, 0, 3]]]))
+    with pytest.raises(ValueError, match="zeros="):
+        ZeroPointInt4(a.codes, a.scales, a.zeros)  # the third field is the mins
+
+
 def test_compute_dtype_is_bfloat16_only_with_native_bfloat16_gemms():
-    assert quantization.COMPUTE_DTYPE == (torch.bfloat16 if has_native_bfloat16() else torch.float32)
+    assert compute_dtype() == (torch.bfloat16 if has_native_bfloat16() else torch.float32)
+
+
+def test_a_layer_takes_the_thresholds_of_the_instruction_set_it_is_made_under(monkeypatch):
+    monkeypatch.setattr("inferno.cpu_features.cpu_info",
+                        lambda: {"flags": "avx2 avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16"})
+    wide = Int4Linear(quantize_int4(torch.randn(32, 64), 32), None)
+    monkeypatch.setenv("INFERNO_CPU_ISA", "avx2")
+    capped = Int4Linear(quantize_int4(torch.randn(32, 64), 32), None)
+    assert (wide.gemm_from_rows, capped.gemm_from_rows) == GEMM_FROM_ROWS["int4"] == (96, 512)
+    assert (wide.compute_dtype, capped.compute_dtype) == (torch.bfloat16, torch.float32)
 
 
 def test_builds_are_keyed_by_the_cpu():

@@ -4,7 +4,7 @@ import torch
 
 from inferno import LLM, SamplingParams
 from inferno.layers.moe import SparseMoE, route
-from inferno.layers.quantization import quantize_linears
+from inferno.layers.quantization.swap import quantize_linears
 from conftest import FLOAT32, prefill_logits
 from tiny_models import write_hf_model
 from test_architectures import prompts, tiny_llm

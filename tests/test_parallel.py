@@ -19,7 +19,8 @@ from inferno import LLM, SamplingParams
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.partition import split_heads
 from inferno.executor import ExecutorDeadError
-from inferno.layers.quantization import Int4Linear, Q8Linear
+from inferno.layers.quantization.int4 import Int4Linear
+from inferno.layers.quantization.q8 import Q8Linear
 from inferno.model.llama import LlamaForCausalLM
 from test_model_vs_hf import PROMPTS, write_tiny_hf_model
 from test_server import RemoteServer

@@ -1,8 +1,9 @@
-"""GGUF Q4_K run as stored (layers/q4_k.py, kernels/q4_k_gemv.cpp): the super-blocks hold the file's weights bit
-for bit (no repack at load), the kernel computes the float sums of the int8-rounded rows on every path this CPU can
-run (the -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized
-weight for decode-sized and large batches. The tiles the engine regroups the blocks into keep every value, their
-kernel computes the same sums on every path, and an engine switches to them between its first step and its second."""
+"""GGUF Q4_K run as stored (layers/quantization/q4_k.py, kernels/q4_k_gemv.cpp): the super-blocks hold the file's
+weights bit for bit (no repack at load), the kernel computes the float sums of the int8-rounded rows on every path
+this CPU can run (the -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its
+dequantized weight for decode-sized and large batches. The tiles the engine regroups the blocks into keep every
+value, their kernel computes the same sums on every path, and an engine switches to them between its first step and
+its second."""
 
 import gguf
 import numpy as np
@@ -11,10 +12,10 @@ import torch
 
 from inferno import LLM, SamplingParams
 from inferno.kernels.library import kernels_disabled
-from inferno.layers import q4_k
-from inferno.layers.q4_k import Q4KBlocks, Q4KLinear
-from inferno.layers.quantization import Int4Linear
-from inferno.layers.super_blocks import SuperBlockLinear
+from inferno.layers.quantization.thresholds import gemm_from_rows
+from inferno.layers.quantization.q4_k import Q4KBlocks, Q4KLinear
+from inferno.layers.quantization.int4 import Int4Linear
+from inferno.layers.quantization.super_blocks import SuperBlockLinear
 from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
 from inferno.worker.huge_pages import tensor_span, weight_ranges
@@ -100,7 +101,7 @@ def test_each_isa_level_computes_the_same_sums(tmp_path, level):
         assert_close_to(y, kernel_reference(x, raw))
 
 
-@pytest.mark.parametrize("rows", [1, 6, q4_k.Q4_K_DEQUANTIZE_FROM_ROWS + 1])  # the last: dense GEMM
+@pytest.mark.parametrize("rows", [1, 6, gemm_from_rows("q4_k") + 1])  # the last: dense GEMM
 @pytest.mark.parametrize("native", [True, False], ids=["native", "pytorch"])
 def test_linear_matches_its_dequantized_weight(rows, native):
     raw = random_q4_k(200, 512, seed=rows)
@@ -116,7 +117,7 @@ def test_linear_matches_its_dequantized_weight(rows, native):
     ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)).t() + layer.bias
     y = layer(x)
     assert y.shape == (2, rows, 200) and y.dtype == torch.float32
-    assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations (or COMPUTE_DTYPE)
+    assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations (or the GEMM in compute_dtype)
 
 
 def test_rows_permute_and_stack_like_the_weights():
@@ -208,7 +209,7 @@ def test_each_isa_level_of_the_tiles_kernel_computes_the_same_sums(tmp_path, lev
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 6, q4_k.Q4_K_DEQUANTIZE_FROM_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 6, gemm_from_rows("q4_k") + 1])
 def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
     raw = random_q4_k(208, 512, seed=rows)
     layer = Q4KLinear(Q4KBlocks(torch.from_numpy(raw)), bias=torch.randn(208))
@@ -221,7 +222,7 @@ def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
     y = layer(x)
     assert y.shape == (2, rows, 208)
     assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations: 0.5 % typical, 1.5 % the worst of 1000 draws
-    if rows < q4_k.Q4_K_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the kernel on the stored blocks
+    if rows < layer.gemm_from_rows:  # the same integer sums as the kernel on the stored blocks
         torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
     torch.testing.assert_close(layer.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_K)))
 

@@ -1,5 +1,5 @@
-"""GGUF Q6_K run as stored (layers/q6_k.py, kernels/q6_k_gemv.cpp): the super-blocks hold the file's weights bit
-for bit, the kernel computes the float sums of the int8-rounded rows on every path this CPU can run (the
+"""GGUF Q6_K run as stored (layers/quantization/q6_k.py, kernels/q6_k_gemv.cpp): the super-blocks hold the file's
+weights bit for bit, the kernel computes the float sums of the int8-rounded rows on every path this CPU can run (the
 -march=native build, and builds without AVX-512 and without AVX2), and the layer matches its dequantized weight
 for decode-sized and large batches."""
 import gguf
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from inferno.kernels.library import kernels_disabled
-from inferno.layers import q6_k
-from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
+from inferno.layers.quantization.thresholds import gemm_from_rows
+from inferno.layers.quantization.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
 from native_kernels import EACH_ISA_LEVEL, isa_level_outputs, isa_level_tiles_outputs, needs_kernels
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks
@@ -87,7 +87,7 @@ def test_each_isa_level_computes_the_same_sums(tmp_path, level):
         assert_close_to(y, kernel_reference(x, raw))
 
 
-@pytest.mark.parametrize("rows", [1, 6, q6_k.Q6_K_DEQUANTIZE_FROM_ROWS + 1])  # the last: dense GEMM
+@pytest.mark.parametrize("rows", [1, 6, gemm_from_rows("q6_k") + 1])  # the last: dense GEMM
 @pytest.mark.parametrize("native", [True, False], ids=["native", "pytorch"])
 def test_linear_matches_its_dequantized_weight(rows, native):
     raw = random_q6_k(200, 512, seed=rows)
@@ -103,7 +103,7 @@ def test_linear_matches_its_dequantized_weight(rows, native):
     ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, T.Q6_K)).t() + layer.bias
     y = layer(x)
     assert y.shape == (2, rows, 200) and y.dtype == torch.float32
-    assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations (or COMPUTE_DTYPE)
+    assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations (or the GEMM in compute_dtype)
 
 
 def test_embedding_dequantizes_the_rows_it_reads_and_shares_them_with_a_tied_head():
@@ -185,7 +185,7 @@ def test_each_isa_level_of_the_tiles_kernel_computes_the_same_sums(tmp_path, lev
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 6, q6_k.Q6_K_DEQUANTIZE_FROM_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 6, gemm_from_rows("q6_k") + 1])
 def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
     raw = random_q6_k(208, 512, seed=rows)
     layer = Q6KLinear(Q6KBlocks(torch.from_numpy(raw)), bias=torch.randn(208))
@@ -197,5 +197,5 @@ def test_tiled_linear_matches_its_dequantized_weight_at_every_batch_size(rows):
     y = layer(x)
     assert y.shape == (2, rows, 208)
     assert ((y - ref).norm() / ref.norm()).item() < 3e-2  # int8-quantized activations: 0.5 % typical, 1.5 % the worst of 1000 draws
-    if rows < q6_k.Q6_K_DEQUANTIZE_FROM_ROWS:  # the same integer sums as the kernel on the stored blocks
+    if rows < layer.gemm_from_rows:  # the same integer sums as the kernel on the stored blocks
         torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())

@@ -13,9 +13,12 @@ from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
 from inferno.cpu_features import has_native_bfloat16
 from inferno.kernels import quantized_gemv
-from inferno.layers.quantization import (INT8_GROUP_DEQUANTIZE_FROM_ROWS, GroupQuantized, Int4Linear, Int8GroupLinear,
-                                         Int8Linear, Q8Linear, quantize_groups, quantize_groups_symmetric, quantize_int4,
-                                         quantize_int8)
+from inferno.layers.quantization.groups import (GroupQuantized, quantize_groups, quantize_groups_symmetric,
+                                                quantize_int4, quantize_int8)
+from inferno.layers.quantization.int4 import Int4Linear
+from inferno.layers.quantization.int8 import Int8GroupLinear, Int8Linear
+from inferno.layers.quantization.q8 import Q8Linear
+from inferno.layers.quantization.thresholds import gemm_from_rows
 from inferno.loader.gguf_blocks import int4_groups
 from native_kernels import needs_kernels
 
@@ -102,7 +105,7 @@ def test_int8_group_kernel_rejects_bad_inputs():
     assert kernel(torch.randn(0, 64), codes, scales, mins, 32).shape == (0, 16)
 
 
-@pytest.mark.parametrize("rows", [1, 5, INT8_GROUP_DEQUANTIZE_FROM_ROWS + 3])  # the last: dequantize-then-GEMM
+@pytest.mark.parametrize("rows", [1, 5, gemm_from_rows("int8_group") + 3])  # the last: dequantize-then-GEMM
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("native", [True, False])  # False: the fallback without a C++ compiler
 def test_int8_group_linear_matches_dequantized_reference(group_size, rows, native):

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from conftest import FLOAT32, prefill_logits
 from inferno import LLM
 from inferno.entrypoints.cli import main
-from inferno.layers.activation_calibration import SMOOTHING, smoothing_factors
-from inferno.layers.w8a8 import W8A8_FROM_ROWS, W8A8Linear, hadamard, quantize_w8a8, rotate
+from inferno.layers.quantization.activation_calibration import SMOOTHING, smoothing_factors
+from inferno.layers.quantization.thresholds import gemm_from_rows
+from inferno.layers.quantization.w8a8 import W8A8Linear, hadamard, quantize_w8a8, rotate
 from native_kernels import needs_kernels
 from test_architectures import prompts
 from tiny_models import write_hf_model
@@ -64,16 +65,16 @@ def test_w8a8_linear_is_close_to_float():
     linear = torch.nn.Linear(256, 96)
     outliers = torch.ones(256)
     outliers[[3, 77]] = 30.0  # two input channels with outliers, which smoothing scales down
-    for rows in (W8A8_FROM_ROWS, 100, 3):  # int8 x int8, and the weight-only path of decode-sized batches
+    for rows in (gemm_from_rows("w8a8"), 100, 3):  # int8 x int8, and the weight-only path of decode-sized batches
         x = torch.randn(rows, 256) * outliers
         smoothing = smoothing_factors(x.abs().amax(dim=0), linear.weight, 0.5)
         plain, smoothed = int8_error(linear, x, None, False), int8_error(linear, x, smoothing, False)
-        assert smoothed < 2e-2 and (rows < W8A8_FROM_ROWS or smoothed < plain)  # smoothing helps int8 inputs
+        assert smoothed < 2e-2 and (rows < gemm_from_rows("w8a8") or smoothed < plain)  # smoothing helps int8 inputs
     x = torch.randn(64, 256)
     x[5, 10] = 200.0  # one token with a massive activation: the rotation spreads it over its block of 64
     assert int8_error(linear, x, None, True) < 0.5 * int8_error(linear, x, None, False)
     layer = W8A8Linear(linear.weight, linear.bias, 1 / smoothing, rotated=True)
-    layer.native = False  # the integer product on the PyTorch path: the same integers, the same result
+    layer.onednn = False  # the integer product on the PyTorch path: the same integers, the same result
     torch.testing.assert_close(layer(x), W8A8Linear(linear.weight, linear.bias, 1 / smoothing, rotated=True)(x),
                                rtol=1e-5, atol=1e-5)
 
@@ -108,7 +109,7 @@ def test_native_output_scaling_matches_pytorch(dtype, bias):
     rounds a tie the other way)."""
     torch.manual_seed(1)
     linear = torch.nn.Linear(128, 72, bias=bias)  # 72 outputs: a tail shorter than a vector
-    x = torch.randn(W8A8_FROM_ROWS + 3, 128).to(dtype)
+    x = torch.randn(gemm_from_rows("w8a8") + 3, 128).to(dtype)
     layer = W8A8Linear(linear.weight, linear.bias)
     y = layer(x)
     layer.kernels = None

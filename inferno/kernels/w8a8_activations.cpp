@@ -7,7 +7,7 @@
 // The rotation is a fast Walsh-Hadamard transform: log2(block) butterfly stages, (a, b) -> (a + b, a - b) at
 // distance s. Stages at a distance of whole vectors add and subtract vectors; the shorter ones pair lanes of one
 // vector (a shuffle and one multiply-add with a +1 / -1 vector). Sylvester's matrix is symmetric, so the transform
-// equals x times the matrix that rotates the weights (inferno/layers/w8a8.py: `hadamard`, `rotate`).
+// equals x times the matrix that rotates the weights (inferno/layers/quantization/w8a8.py: `hadamard`, `rotate`).
 #include "kernel.h"
 
 #include "float_vectors.h"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferno.layers.quantization import ZeroPointInt4
+from inferno.layers.quantization.groups import ZeroPointInt4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds output 8c + AWQ_ORDER[i]
 GROUP_SIZES = (32, 64, 128)  # what the int4 kernel's groups hold
@@ -94,7 +94,7 @@ def unpack_layer(name: str, parts: dict[str, torch.Tensor], quant: CheckpointQua
     if codes.shape[1] != out_features or zeros.shape != (groups, out_features) or in_features != groups * quant.group_size:
         raise ValueError(f"{quant.method} layer {name!r}: qweight, qzeros and scales do not fit one [{out_features}, "
                          f"{in_features}] weight in groups of {quant.group_size}")
-    return ZeroPointInt4(codes.t().contiguous(), scales.t().contiguous(), zeros.t().contiguous())
+    return ZeroPointInt4(codes.t().contiguous(), scales.t().contiguous(), zeros=zeros.t().contiguous())
 
 
 def group_layers(weights: Iterable[tuple[str, torch.Tensor]], quant: CheckpointQuantization, native: bool

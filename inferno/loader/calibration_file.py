@@ -6,8 +6,8 @@ by `inferno calibrate` beside the model and read when `quantization="w8a8"`. JSO
      "layers": {"layers.0.self_attn.qkv_proj": {"smoothing": [0.8, ...]}, ...}}
 
 "smoothing": the migration strength used for every layer, or null: each projection type's own (SMOOTHING in
-layers/activation_calibration.py). Version 1 files held static activation thresholds, which per-token scales
-replaced: they are refused with a request to calibrate again.
+layers/quantization/activation_calibration.py). Version 1 files held static activation thresholds, which per-token
+scales replaced: they are refused with a request to calibrate again.
 """
 import json
 from dataclasses import asdict, dataclass

@@ -8,14 +8,14 @@ import numpy as np
 import torch
 
 from inferno.config import ModelConfig
-from inferno.layers.q4_k import Q4KBlocks
-from inferno.layers.q6_k import Q6KBlocks
-from inferno.layers.quantization import GroupQuantized, Q8Groups
+from inferno.layers.quantization.q4_k import Q4KBlocks
+from inferno.layers.quantization.q6_k import Q6KBlocks
+from inferno.layers.quantization.groups import GroupQuantized, Q8Groups
 from inferno.loader.pooler_config import gguf_pooler_config
 from inferno.loader.gguf_architectures import (EXPERT_TENSORS, architecture_options, layer_tensor_overrides,
                                                to_hf_layout)
 from inferno.kernels import gguf_repack
-from inferno.layers.native_quantization import GGUFRows
+from inferno.layers.quantization.native import GGUFRows
 from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, Int4Blocks, int4_groups, int4_rows, q6_k_blocks, q8_groups
 from inferno.loader.gguf_file import GGUFFile, GGUFTensor
 

@@ -8,7 +8,7 @@ vectorised over a whole tensor (raw bytes [rows, bytes per row], a view of the m
 - `q8_groups`: every supported type as signed 8-bit codes with a float32 scale (and min) per group of 32, or 16 for
   Q6_K (`Q8Groups`, the `Q8Linear` input): exact, `codes * scales + mins` is what `gguf.quants.dequantize` computes.
 - `q6_k_blocks`: Q6_K rows as stored (`Q6KBlocks`, the `Q6KLinear` input), 6.5625 bits per weight where Q8 groups
-  of 16 take 10; Q4_K rows run as stored too (`Q4KBlocks`, layers/q4_k.py).
+  of 16 take 10; Q4_K rows run as stored too (`Q4KBlocks`, layers/quantization/q4_k.py).
 
 `pack_int4_shards` and `q8_groups` run the native operators of kernels/gguf_repack.cpp (row-parallel, no intermediate
 tensors) when they build; the PyTorch paths (`int4_groups`, `decode`) are the fallback and the tests' reference.
@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from inferno.kernels import Q8_WITH_MINS, gguf_repack
-from inferno.layers.q4_k import Q4KBlocks
-from inferno.layers.q6_k import Q6KBlocks
-from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, pack_int4
+from inferno.layers.quantization.q4_k import Q4KBlocks
+from inferno.layers.quantization.q6_k import Q6KBlocks
+from inferno.layers.quantization.groups import GroupQuantized, PackedInt4, Q8Groups
+from inferno.layers.quantization.int4 import pack_int4
 
 T = gguf.GGMLQuantizationType
 INT4_TYPES = (T.Q4_0, T.Q4_1)  # Q4_K runs as stored (Q4KBlocks)

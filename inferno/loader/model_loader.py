@@ -14,11 +14,12 @@ from inferno.loader import gguf as gguf_loader
 from inferno.loader import safetensors as hf_loader
 from inferno.loader.calibration_file import default_calibration_path, read_calibration
 from inferno.loader.tokenizer import Tokenizer
-from inferno.layers.native_quantization import GGUFRows, load_native_layers
-from inferno.layers.super_blocks import SuperBlocks, SuperBlockShards
-from inferno.layers.quantization import GroupQuantized, PackedInt4, Q8Groups, ZeroPointInt4, quantize_linears
+from inferno.layers.quantization.native import GGUFRows, load_native_layers
+from inferno.layers.quantization.super_blocks import SuperBlocks, SuperBlockShards
+from inferno.layers.quantization.groups import GroupQuantized, PackedInt4, Q8Groups, ZeroPointInt4
+from inferno.layers.quantization.swap import quantize_linears
 from inferno.layers.rotary import interleave_rotary_rows
-from inferno.layers.w8a8 import quantize_w8a8
+from inferno.layers.quantization.w8a8 import quantize_w8a8
 from inferno.loader.gguf_blocks import Int4Blocks, as_q8_groups, pack_int4_shards
 from inferno.model.llama import LlamaForCausalLM
 

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from inferno.config import ModelConfig, MoEConfig, RopeScaling
-from inferno.layers.quantization import ZeroPointInt4
+from inferno.layers.quantization.groups import ZeroPointInt4
 from inferno.loader.awq_gptq import group_layers, read_quantization
 from inferno.loader.pooler_config import hf_pooler_config
 

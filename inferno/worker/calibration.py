@@ -3,8 +3,8 @@ every decoder projection."""
 import torch
 
 from inferno.core.kv_blocks import cdiv
-from inferno.layers.activation_calibration import ActivationRecorder
-from inferno.layers.w8a8 import decoder_linears
+from inferno.layers.quantization.activation_calibration import ActivationRecorder
+from inferno.layers.quantization.w8a8 import decoder_linears
 from inferno.worker.input_batch import MicroBatch, StepInput
 from inferno.worker.model_runner import ModelRunner
 

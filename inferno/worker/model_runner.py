@@ -19,9 +19,8 @@ from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
-from inferno.layers.quantization import Int4Linear, Q8Linear
+from inferno.layers.quantization.linear import QuantizedLinear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
-from inferno.layers.super_blocks import SuperBlockLinear
 from inferno.openmp import release_thread_pool, run_ops_on_this_thread
 from inferno.model.llama import LlamaForCausalLM
 from inferno.sampling_params import SamplingParams
@@ -190,10 +189,9 @@ class ModelRunner:
             self.tiled = True
 
     def _tile_weights(self) -> None:
-        """Regroup the quantized weights that have tiles (`SuperBlockLinear.tile`, `Int4Linear.tile`,
-        `Q8Linear.tile`), unless the copies would take over half the memory available."""
-        layers = [m for m in self.model.modules() if isinstance(m, (SuperBlockLinear, Int4Linear, Q8Linear))
-                  and m.can_tile]
+        """Regroup the quantized weights that have tiles (`QuantizedLinear.tile`), unless the copies would take over
+        half the memory available."""
+        layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear) and m.can_tile]
         size = sum(m.weight.nbytes for m in layers)
         if not layers or size > available_memory() // 2:
             if layers:

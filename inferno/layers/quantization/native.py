@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from inferno.kernels import Q8_WITH_MINS
-from inferno.layers.q4_k import Q4KBlocks, Q4KLinear
-from inferno.layers.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
-from inferno.layers.quantization import GroupQuantized, Int4Linear, PackedInt4, Q8Groups, Q8Linear, ZeroPointInt4
-from inferno.layers.super_blocks import ShardedLinear, SuperBlockLinear, SuperBlocks, SuperBlockShards
-
+from inferno.layers.quantization.groups import GroupQuantized, PackedInt4, Q8Groups, ZeroPointInt4
+from inferno.layers.quantization.int4 import Int4Linear
+from inferno.layers.quantization.q4_k import Q4KBlocks, Q4KLinear
+from inferno.layers.quantization.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
+from inferno.layers.quantization.q8 import Q8Linear
+from inferno.layers.quantization.super_blocks import ShardedLinear, SuperBlockLinear, SuperBlocks, SuperBlockShards
 
 
 @dataclass

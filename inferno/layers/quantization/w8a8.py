@@ -20,8 +20,9 @@ Without VNNI the GEMM multiplies with `vpmaddubsw`, which adds two u8 x s8 produ
 255 · 127 · 2 overflows it. There the weights get 7-bit codes (±63; 255 · 63 · 2 < 2^15, exact). With AVX-512
 VNNI or AVX-VNNI the products accumulate in int32 and the weights keep ±127.
 
-Decode-sized batches (fewer than W8A8_FROM_ROWS rows) stay weight-only: the same int8 codes through
-`torch._weight_int8pack_mm` with bfloat16 activations (per-row overhead of the quantized GEMM dominates there).
+Decode-sized batches (below the layer's `gemm_from_rows`, thresholds.py) stay weight-only: the same int8 codes
+through `torch._weight_int8pack_mm` with bfloat16 activations (per-row overhead of the quantized GEMM dominates
+there).
 """
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,9 @@ from torch import nn
 
 from inferno.cpu_features import cpu_flags
 from inferno.kernels import w8a8_activations
-from inferno.layers.quantization import Q8Linear
+from inferno.layers.quantization.linear import QuantizedLinear
+from inferno.layers.quantization.q8 import Q8Linear
 
-W8A8_FROM_ROWS = 16
 ACTIVATION_LEVELS = 127
 ACTIVATION_ZERO_POINT = 128
 WEIGHT_LEVELS = 127 if {"avx512_vnni", "avx_vnni"} & cpu_flags() else 63
@@ -56,14 +57,16 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.mm(x.reshape(-1, h.shape[0]), h).view(x.shape)
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(QuantizedLinear):
     """`weight` acts on the input as it arrives (smoothing folded in), times `input_scales` if given; rotated: its
-    input is rotated per block of rotation_block(in_features) channels first."""
+    input is rotated per block of rotation_block(in_features) channels first. Its `gemm` is the int8 x int8 product,
+    its `matmul` the weight-only kernel; both add the bias in float32, before the output is rounded to the input's
+    dtype (`output_bias`: the forward's own `bias`, added after the rounding, stays None)."""
+    weight_format = "w8a8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, input_scales: torch.Tensor | None = None,
                  rotated: bool = False):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+        super().__init__(*weight.shape, None, native=True)  # the weight-only kernel is PyTorch's own
         w = weight.detach().float()
         self.register_buffer("input_scales", None if input_scales is None else input_scales.float())
         self.register_buffer("rotation", hadamard(rotation_block(self.in_features)) if rotated else None)
@@ -74,11 +77,11 @@ class W8A8Linear(nn.Module):
                              .to(torch.int8).contiguous())
         self.register_buffer("scales", scales)
         self.register_buffer("scales_bf16", scales.bfloat16())  # _weight_int8pack_mm is fast with bfloat16 only
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.register_buffer("output_bias", None if bias is None else bias.detach().float())
         self.register_buffer("weight_zero_points", torch.zeros(self.out_features, dtype=torch.long))
-        self.native = torch.backends.mkldnn.is_available()
+        self.onednn = torch.backends.mkldnn.is_available()
         self.kernels = w8a8_activations()
-        self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None) if self.native else None
+        self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None) if self.onednn else None
 
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] as the weight codes expect it: float32, scaled and rotated where this layer does that."""
@@ -100,33 +103,32 @@ class W8A8Linear(nn.Module):
         block = 0 if self.rotation is None else self.rotation.shape[0]
         return self.kernels.w8a8_quantize_rows(x if x.dtype == torch.bfloat16 else x.float(), self.input_scales, block)
 
-    def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """The integer product of the quantized rows of x (as it arrives) and the weight codes, scaled, plus the
         bias: [M, N] in x's dtype (float32 or bfloat16)."""
-        codes, row_scales = self.quantize_input(x)
-        if self.native:  # the row scales are applied after: the GEMM sees a scale of 1
+        codes, row_scales = self.quantize_input(x.contiguous())
+        if self.onednn:  # the row scales are applied after: the GEMM sees a scale of 1
             y = torch.ops.onednn.qlinear_pointwise(
                 codes, 1.0, ACTIVATION_ZERO_POINT, self.packed, self.scales, self.weight_zero_points,
                 None, 1.0, 0, torch.float32, "none", [], "")
         else:
-            y = F.linear(codes.float() - ACTIVATION_ZERO_POINT, self.weight.float() * self.scales.unsqueeze(1))
+            y = F.linear(codes.float() - ACTIVATION_ZERO_POINT, self.dequantize())
         traced = torch.compiler.is_compiling()  # then inductor fuses the PyTorch ops below
         if self.kernels is not None and x.dtype in (torch.float32, torch.bfloat16) and not traced:
             out = y if x.dtype == torch.float32 else torch.empty_like(y, dtype=x.dtype)
-            self.kernels.w8a8_scale_rows(y, row_scales, self.bias, out)
+            self.kernels.w8a8_scale_rows(y, row_scales, self.output_bias, out)
             return out
         y = y.mul_(row_scales)
-        return (y if self.bias is None else y.add_(self.bias)).to(x.dtype)
+        return (y if self.output_bias is None else y.add_(self.output_bias)).to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] >= W8A8_FROM_ROWS:
-            y = self.int8_matmul(x2.contiguous())
-        else:
-            y = torch._weight_int8pack_mm(self.prepare_input(x2).bfloat16(), self.weight, self.scales_bf16).float()
-            y = (y if self.bias is None else y.add_(self.bias)).to(x.dtype)
-        return y.view(*shape[:-1], self.out_features)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight-only product (bfloat16 activations), plus the bias: [M, N] float32."""
+        y = torch._weight_int8pack_mm(self.prepare_input(x).bfloat16(), self.weight, self.scales_bf16).float()
+        return y if self.output_bias is None else y.add_(self.output_bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`: the codes times their scales, acting on the prepared input (`prepare_input`)."""
+        return (self.weight.float() * self.scales.unsqueeze(1)).to(dtype)
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:

@@ -14,14 +14,7 @@ import numpy as np
 import torch
 
 from inferno.kernels import TILE_ROWS, q4_k_gemv
-from inferno.layers.quantization import AVX512_KERNELS
-from inferno.layers.super_blocks import SuperBlockLinear, SuperBlocks
-
-# From this many rows the layer dequantizes its weight and runs the dense GEMM instead of the kernel. AVX-512
-# (bfloat16 GEMM), 2 threads, random Q4_K weights: Qwen2.5-1.5B's fused gate/up (17920 x 1536) 11.8 against 21.4 ms
-# at 64 rows, 37.6 against 32.5 at 256; its down_proj (1536 x 8960) crosses earlier (8.3 against 3.6 ms at 64
-# rows: large K), as Q6_K's does. AVX2 (float32 GEMM): Q6_K's crossover, not measured for Q4_K.
-Q4_K_DEQUANTIZE_FROM_ROWS = 96 if AVX512_KERNELS else 512
+from inferno.layers.quantization.super_blocks import SuperBlockLinear, SuperBlocks
 
 
 @dataclass(slots=True)
@@ -42,10 +35,10 @@ class Q4KBlocks(SuperBlocks):
 
 
 class Q4KLinear(SuperBlockLinear):
-    """Q4_K super-blocks as stored (`Q4KBlocks`) through the native `inferno::q4_k_matmul` up to
-    Q4_K_DEQUANTIZE_FROM_ROWS rows (see `SuperBlockLinear`)."""
+    """Q4_K super-blocks as stored (`Q4KBlocks`) through the native `inferno::q4_k_matmul` below
+    `gemm_from_rows` rows (see `SuperBlockLinear`)."""
     blocks_type = Q4KBlocks
-    dequantize_from_rows = Q4_K_DEQUANTIZE_FROM_ROWS
+    weight_format = "q4_k"
     tile_rows = TILE_ROWS
 
     @staticmethod
@@ -53,10 +46,10 @@ class Q4KLinear(SuperBlockLinear):
         return q4_k_gemv()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q4_k_matmul(x, self.weight)
+        return torch.ops.inferno.q4_k_matmul(x.float().contiguous(), self.weight)
 
     def make_tiles(self) -> torch.Tensor:
         return torch.ops.inferno.q4_k_tile(self.weight)
 
     def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q4_k_tiles_matmul(x, tiles)
+        return torch.ops.inferno.q4_k_tiles_matmul(x.float().contiguous(), tiles)

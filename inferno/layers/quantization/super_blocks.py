@@ -1,15 +1,14 @@
 """GGUF K-quant super-blocks run as stored (256 weights each, the bytes a decode step reads): what the Q4_K and Q6_K
-layers (layers/q4_k.py, layers/q6_k.py) share. Decode-sized batches run the type's native matmul operator
-(activations quantized to int8 per block of 32, integer dot products, as llama.cpp computes); larger ones
-dequantize the weight once and run a dense GEMM in COMPUTE_DTYPE."""
+layers (q4_k.py, q6_k.py) share. Decode-sized batches run the type's native matmul operator (activations
+quantized to int8 per block of 32, integer dot products, as llama.cpp computes); larger ones dequantize the weight
+once and run a dense GEMM (`QuantizedLinear`)."""
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from inferno.layers.quantization import COMPUTE_DTYPE
+from inferno.layers.quantization.linear import QuantizedLinear
 
 QK_K = 256  # weights per super-block
 
@@ -70,55 +69,21 @@ class SuperBlockShards:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
 
-class SuperBlockLinear(nn.Module):
-    """`SuperBlocks` as stored times activations quantized to int8 per block of 32: the native `matmul` operator up
-    to `dequantize_from_rows` rows, dequantize-then-GEMM in COMPUTE_DTYPE beyond that or without the native
-    kernels. A type with tiles (`tile_rows` > 0) can regroup its weight into them (`tile`, losslessly); from then on
-    its `tiles_matmul` runs every batch size."""
+class SuperBlockLinear(QuantizedLinear):
+    """`SuperBlocks` as stored times activations quantized to int8 per block of 32: the native `matmul` operator below
+    `gemm_from_rows` rows, dequantize-then-GEMM in `compute_dtype` from there or without the native kernels. A type
+    with tiles (`tile_rows` > 0) can regroup its weight into them (`tile`, losslessly); from then on its
+    `tiles_matmul` runs every batch size."""
     blocks_type: ClassVar[type[SuperBlocks]]
-    dequantize_from_rows: ClassVar[int]
-    tile_rows: ClassVar[int] = 0  # weight rows per tile; 0: the type has no tiles
 
     def __init__(self, weight: SuperBlocks, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+        super().__init__(*weight.shape, bias, native=self.kernels() is not None)
         self.register_buffer("weight", weight.raw.contiguous())
-        self.register_buffer("bias", bias)
-        self.register_buffer("tiles", None)
-        self.native = self.kernels() is not None
 
     @staticmethod
     def kernels():
         """The namespace of the native operators, or None when they cannot be built."""
         raise NotImplementedError
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous -> [M, N] float32 by the native operator."""
-        raise NotImplementedError
-
-    def make_tiles(self) -> torch.Tensor:
-        """The weight regrouped into the type's tiles by the native operator."""
-        raise NotImplementedError
-
-    def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 contiguous -> [M, N] float32 by the native operator on the tiles."""
-        raise NotImplementedError
-
-    @property
-    def can_tile(self) -> bool:
-        return self.native and self.tile_rows > 0 and self.out_features % self.tile_rows == 0
-
-    def tile(self) -> None:
-        """Regroup the weight into tiles (every value kept). Their kernel is faster at every batch size, but the copy
-        takes time (about 0.3 s per GB) and memory, so the model runner's background warm-up makes it, not the
-        loader; steps switch to the tiles at once (the same integer sums, added in another order). The stored
-        blocks stay for `dequantize`, and the forward no longer reads them (`unread_buffers`)."""
-        if self.can_tile and self.tiles is None:
-            self.tiles = self.make_tiles()
-
-    @property
-    def unread_buffers(self) -> tuple[str, ...]:
-        return () if self.tiles is None else ("weight",)
 
     @property
     def blocks(self) -> SuperBlocks:
@@ -127,19 +92,6 @@ class SuperBlockLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`, computed in float32 and rounded once."""
         return self.blocks.dequantize(dtype, self.native)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        tiles = self.tiles  # once: the warm-up thread may set it meanwhile
-        if tiles is not None:
-            y = self.tiles_matmul(x2.float().contiguous(), tiles)
-        elif self.native and x2.shape[0] < self.dequantize_from_rows:
-            y = self.matmul(x2.float().contiguous())
-        else:
-            y = F.linear(x2.to(COMPUTE_DTYPE), self.dequantize(COMPUTE_DTYPE))
-        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
 
 
 class ShardedLinear(nn.Module):

@@ -2,26 +2,19 @@
 decode step reads, against 10 bits per weight for the same weights as Q8 groups of 16 (int8 codes and a float32
 scale per 16). Decode-sized batches run the native `inferno::q6_k_matmul` (kernels/q6_k_gemv.cpp: activations
 quantized to int8 per block of 32, integer dot products, as llama.cpp computes); larger ones dequantize the weight
-once and run a dense GEMM in COMPUTE_DTYPE. Once the warm-up has regrouped the weight into tiles
+once and run a dense GEMM. Once the warm-up has regrouped the weight into tiles
 (`inferno::q6_k_tile`, every value kept, 6.5625 bits per weight), `inferno::q6_k_tiles_matmul` runs every batch size
-(3-5x faster than the stored blocks' kernel from 4 rows on, see layers/q4_k.py)."""
+(3-5x faster than the stored blocks' kernel from 4 rows on, see q4_k.py)."""
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from inferno.kernels import TILE_ROWS, q6_k_gemv
-from inferno.layers.quantization import AVX512_KERNELS, Q8Groups
-from inferno.layers.super_blocks import SuperBlockLinear, SuperBlocks
+from inferno.layers.quantization.groups import Q8Groups
+from inferno.layers.quantization.super_blocks import SuperBlockLinear, SuperBlocks
 
 BLOCK_BYTES = 210  # per super-block
-# From this many rows the layer dequantizes its weight and runs the dense GEMM instead of the kernel. AVX-512 (bfloat16
-# GEMM), one thread, CPU time: the four projections of Qwen2.5-1.5B's layers as Q6_K (`python kernels.py
-# --projections qwen2.5-1.5b --kinds q6_k_blocks --rows 32 48 64 --cpu-time`) 1404 against 3091 ms per step at 32
-# rows, 1923 against 3252 at 48, 2793 against 3305 at 64; its ffn_down alone (1536 x 8960, the Q6_K projection of
-# Q4_K_M files) crosses earlier: 23.6 against 23.7 ms at 40 rows, 28.8 against 25.0 at 48. AVX2 (float32 GEMM):
-# Q8Linear's crossover, not measured for Q6_K.
-Q6_K_DEQUANTIZE_FROM_ROWS = 64 if AVX512_KERNELS else 512
 
 
 @dataclass(slots=True)
@@ -54,10 +47,10 @@ class Q6KBlocks(SuperBlocks):
 
 
 class Q6KLinear(SuperBlockLinear):
-    """Q6_K super-blocks as stored (`Q6KBlocks`) through the native `inferno::q6_k_matmul` up to
-    Q6_K_DEQUANTIZE_FROM_ROWS rows (see `SuperBlockLinear`)."""
+    """Q6_K super-blocks as stored (`Q6KBlocks`) through the native `inferno::q6_k_matmul` below
+    `gemm_from_rows` rows (see `SuperBlockLinear`)."""
     blocks_type = Q6KBlocks
-    dequantize_from_rows = Q6_K_DEQUANTIZE_FROM_ROWS
+    weight_format = "q6_k"
     tile_rows = TILE_ROWS
 
     @staticmethod
@@ -65,13 +58,13 @@ class Q6KLinear(SuperBlockLinear):
         return q6_k_gemv()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q6_k_matmul(x, self.weight)
+        return torch.ops.inferno.q6_k_matmul(x.float().contiguous(), self.weight)
 
     def make_tiles(self) -> torch.Tensor:
         return torch.ops.inferno.q6_k_tile(self.weight)
 
     def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q6_k_tiles_matmul(x, tiles)
+        return torch.ops.inferno.q6_k_tiles_matmul(x.float().contiguous(), tiles)
 
 
 class Q6KEmbedding(nn.Module):
