@@ -21,7 +21,6 @@ from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.quantization.linear import QuantizedLinear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
-from inferno.openmp import release_thread_pool, run_ops_on_this_thread
 from inferno.model.llama import LlamaForCausalLM
 from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
@@ -155,11 +154,9 @@ class ModelRunner:
             with self.tiling:  # after the first step (or before any, on an idle engine), unless the second did
                 self._tile_once()
             if compile_decode:
-                # the rest runs its ops on this thread: a second OpenMP pool slows every step (inferno/openmp.py);
-                # the graphs' parallel loops are generated for the serving thread's count
+                # the graphs' parallel loops are generated for the serving thread's count; this thread keeps its
+                # OpenMP pool (releasing it here left the compiled steps at half their speed)
                 threads = torch.get_num_threads()
-                release_thread_pool()
-                run_ops_on_this_thread()
                 # Tracing and code generation hold the GIL, which the serving thread gives up in every op call
                 # and then waits for, up to a switch interval each time (the convoy effect): at the default 5 ms,
                 # a SmolLM2 decode step's few hundred calls took seconds
