@@ -250,13 +250,13 @@ def test_the_engine_tiles_its_4_bit_weights_between_the_first_step_and_the_secon
     layers = [m for m in runner.model.modules() if isinstance(m, layer_type)]
     assert layers and all(m.can_tile for m in layers)
     tiled_steps = []  # per step, whether each layer had its tiles
-    run_step = runner.run_step
+    forward_step = runner.forward_step
 
-    def recording_run_step(step):
+    def recording_forward_step(step):
         tiled_steps.append([m.tiles is not None for m in layers])
-        return run_step(step)
+        return forward_step(step)
 
-    monkeypatch.setattr(runner, "run_step", recording_run_step)
+    monkeypatch.setattr(runner, "forward_step", recording_forward_step)
     outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert len(tiled_steps) == 16 and not any(tiled_steps[0]) and all(all(step) for step in tiled_steps[1:])
     again = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)

@@ -13,7 +13,7 @@ from inferno import LLM
 from inferno.entrypoints.cli import main
 from inferno.layers.quantization.activation_calibration import SMOOTHING, smoothing_factors
 from inferno.layers.quantization.thresholds import gemm_from_rows
-from inferno.layers.quantization.w8a8 import W8A8Linear, hadamard, quantize_w8a8, rotate
+from inferno.layers.quantization.w8a8 import WEIGHT_LEVELS, W8A8Linear, hadamard, quantize_w8a8, rotate
 from native_kernels import needs_kernels
 from test_architectures import prompts
 from tiny_models import write_hf_model
@@ -72,7 +72,9 @@ def test_w8a8_linear_is_close_to_float():
         assert smoothed < 2e-2 and (rows < gemm_from_rows("w8a8") or smoothed < plain)  # smoothing helps int8 inputs
     x = torch.randn(64, 256)
     x[5, 10] = 200.0  # one token with a massive activation: the rotation spreads it over its block of 64
-    assert int8_error(linear, x, None, True) < 0.5 * int8_error(linear, x, None, False)
+    # the error about halves (a little less with 7-bit weights, CPUs without VNNI: their own rounding stays)
+    gain = 0.5 if WEIGHT_LEVELS == 127 else 0.6
+    assert int8_error(linear, x, None, True) < gain * int8_error(linear, x, None, False)
     layer = W8A8Linear(linear.weight, linear.bias, 1 / smoothing, rotated=True)
     layer.onednn = False  # the integer product on the PyTorch path: the same integers, the same result
     torch.testing.assert_close(layer(x), W8A8Linear(linear.weight, linear.bias, 1 / smoothing, rotated=True)(x),
@@ -143,7 +145,8 @@ def test_folded_smoothing_leaves_the_float_model_unchanged(tiny_folder, calibrat
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, exact)
     ours = prefill_logits(llm.llm_engine, ids)
-    assert ((ours - ref).norm() / ref.norm()).item() < 0.05  # only the weights' int8 rounding is left
+    # only the weights' rounding is left, its step twice as large with 7-bit codes (CPUs without VNNI)
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.05 * 127 / WEIGHT_LEVELS
 
 
 def test_calibrate_cli_writes_the_file_llm_loads(tiny_folder, calibration_file):
