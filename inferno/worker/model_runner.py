@@ -154,15 +154,14 @@ class ModelRunner:
             with self.tiling:  # after the first step (or before any, on an idle engine), unless the second did
                 self._tile_once()
             if compile_decode:
-                # the graphs' parallel loops are generated for the serving thread's count; this thread keeps its
-                # OpenMP pool (releasing it here left the compiled steps at half their speed)
-                threads = torch.get_num_threads()
                 # Tracing and code generation hold the GIL, which the serving thread gives up in every op call
                 # and then waits for, up to a switch interval each time (the convoy effect): at the default 5 ms,
                 # a SmolLM2 decode step's few hundred calls took seconds
                 sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
-                self._compile_decode_step(threads)
-                sys.setswitchinterval(switch_interval)
+                try:
+                    self._compile_decode_step()
+                finally:
+                    sys.setswitchinterval(switch_interval)
             if self.device.type == "cpu":
                 try:
                     move_weights_to_huge_pages(self.model)
@@ -277,7 +276,7 @@ class ModelRunner:
         meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills)
         return self.model(input_ids, positions, meta, hidden)
 
-    def _compile_decode_step(self, num_threads: int) -> None:
+    def _compile_decode_step(self) -> None:
         """The compile thread: build the decode graphs, then hand them to the serving thread (`compiled_decode`),
         which picks them up at its next step.
 
@@ -300,10 +299,10 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             with DYNAMO_STANCE, torch.inference_mode():
-                compiled = self._compile_graphs(num_threads)
+                compiled = self._compile_graphs()
                 if compiled is None:  # an entry of the cache failed to load: compile without it, once
                     clear_compile_cache(folder)
-                    compiled = self._compile_graphs(num_threads)
+                    compiled = self._compile_graphs()
         except Exception:
             logger.exception("compiling the decode step failed; decode steps stay eager")
             return
@@ -311,13 +310,13 @@ class ModelRunner:
         logger.info("decode steps run compiled from now on (warmed up in %.1f s; compile cache %s)",
                     time.perf_counter() - start, folder)
 
-    def _compile_graphs(self, num_threads: int):
-        """The compiled decode step with its two graphs built (their loops parallel over `num_threads`), with
-        DYNAMO_STANCE held; None if that failed where the compile cache had an entry for it (a library cut short,
-        say), which the caller then clears."""
+    def _compile_graphs(self):
+        """The compiled decode step with its two graphs built (their loops parallel over the serving thread's count),
+        with DYNAMO_STANCE held; None if that failed where the compile cache had an entry for it (a library cut
+        short, say), which the caller then clears."""
         compiled = torch.compile(with_own_code(self._decode_forward), dynamic=None, options={
             "guard_filter_fn": skip_module_and_global_guards, "emulate_precision_casts": True,
-            "cpp_wrapper": True, "cpp.threads": num_threads, **vector_width_option()})
+            "cpp_wrapper": True, "cpp.threads": torch.get_num_threads(), **vector_width_option()})
         # the graph for one sequence, then the dynamic-batch one (three-block tables: equal sizes would be tied
         # together), all on the scratch block
         slot = self.scratch_block * self.block_size
