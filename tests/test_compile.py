@@ -105,7 +105,7 @@ def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monke
     release = threading.Event()
     compile_decode_step = ModelRunner._compile_decode_step
     monkeypatch.setattr(ModelRunner, "_compile_decode_step",
-                        lambda self, threads: (release.wait(), compile_decode_step(self, threads)))
+                        lambda self: (release.wait(), compile_decode_step(self)))
     # both engines tile between their first step and their second (not before the first, were either idle a while)
     monkeypatch.setattr(model_runner, "WARM_UP_DELAY", 600)
     # int4 weights: their kernels quantize each layer's input to int8 (as the default model's do)
