@@ -88,7 +88,7 @@ class ModelRunner:
             engine_config.attention_backend, device, self.block_size, model.attention_layers[0].num_kv_heads,
             self.num_cache_blocks, self.config.head_dim, self.config.sliding_window, quantized_kv,
             self.config.attn_logit_softcapping)
-        compile_decode = fast_decode and self.attention.name == "cpu_kernel"
+        compile_decode = fast_decode and self.attention.compiles_decode_step
         # zeros, not garbage: masked-out slots are still multiplied by zero weights, and stale NaN/inf would turn
         # that into NaN. On the CPU the OS zero-fills the pages on first touch, so start-up writes nothing.
         cache_dtype = (KV_CACHE_DTYPES if quantized_kv else DTYPES)[engine_config.kv_cache_dtype]
@@ -102,7 +102,7 @@ class ModelRunner:
                 attn.v_scale = self._zeros(shape[:-1], torch.float32)
         # GPU: decode-only steps replay CUDA graphs captured now
         self.decode_graphs = None
-        if fast_decode and device.type == "cuda" and self.attention.name == "triton":
+        if fast_decode and device.type == "cuda" and self.attention.captures_decode_graphs:
             max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_forward, engine_config.max_num_seqs,
                                               cdiv(max_model_len, self.block_size), self.scratch_block, device)

@@ -12,6 +12,7 @@ from inferno.layers.attention.torch_backend import TorchAttentionBackend
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     name = "cpu_kernel"
+    compiles_decode_step = True  # its kernels take every batch's ragged rows in one call: one graph for all sizes
     decode_group_size = None  # one group: the kernel takes ragged sequences as they are
 
     def __init__(self, *args, **kwargs):

@@ -10,13 +10,14 @@ import logging
 import torch
 
 from inferno.config import ATTENTION_BACKENDS
+from inferno.layers.attention.backend import AttentionBackend
 
 logger = logging.getLogger("inferno")
 
 
 def select_attention_backend(name: str, device: torch.device, block_size: int, num_kv_heads: int,
                              num_cache_blocks: int, head_dim: int, sliding_window: int | None, quantized_kv: bool,
-                             softcap: float | None):
+                             softcap: float | None) -> AttentionBackend:
     from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
     from inferno.layers.attention.torch_backend import TorchAttentionBackend
     if name not in ATTENTION_BACKENDS:

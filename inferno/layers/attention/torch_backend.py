@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from inferno.core.kv_blocks import cdiv
+from inferno.layers.attention.backend import AttentionBackend
 from inferno.layers.attention.layer import Attention
 from inferno.layers.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk, block_rows, gather
 from inferno.layers.kv_quantization import gather_kv, write_kv
@@ -33,7 +34,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     return torch.matmul(scores.softmax(dim=-1), values.repeat_interleave(group, dim=1))
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """Decodes gathered in groups, prefills through SDPA."""
     name = "torch"
     decode_group_size = DECODE_GROUP_SIZE
@@ -49,8 +50,6 @@ class TorchAttentionBackend:
     # --- metadata --------------------------------------------------------------------------------------------
     def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
                        prefills: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
-        """decodes: per decode row (sequence length, block ids); prefills: per chunk (tokens, tokens already
-        cached, block ids), after the decode rows in the flat batch."""
         size = max(len(decodes), 1) if self.decode_group_size is None else self.decode_group_size
         groups = [self.decode_group(i, decodes[i:i + size]) for i in range(0, len(decodes), size)]
         chunks, start = [], len(decodes)
@@ -61,7 +60,6 @@ class TorchAttentionBackend:
 
     def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor) -> AttentionMetadata:
-        """Decode rows only, from tensors (what a compiled or captured decode step traces)."""
         return AttentionMetadata(slot_mapping, [self._group(0, block_tables, seq_lens)], [])
 
     def _tensor(self, values: list) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 
 from inferno.core.kv_blocks import cdiv
 from inferno.kernels import triton_attention
+from inferno.layers.attention.backend import AttentionBackend
 from inferno.layers.attention.layer import Attention
 
 
@@ -22,8 +23,9 @@ class TritonMetadata:
     max_prefill_len: int
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    captures_decode_graphs = True
 
     def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
@@ -39,8 +41,6 @@ class TritonAttentionBackend:
 
     def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
                        prefills: list[tuple[int, int, list[int]]]) -> TritonMetadata:
-        """As TorchAttentionBackend.build_metadata: per decode row (sequence length, block ids); per prefill chunk
-        (tokens, tokens already cached, block ids)."""
         starts, seq_lens, tables = [0], [], []
         for n, num_computed, block_ids in prefills:
             starts.append(starts[-1] + n)
@@ -53,7 +53,6 @@ class TritonAttentionBackend:
 
     def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor) -> TritonMetadata:
-        """Decode rows only, from tensors (what a compiled or captured decode step traces)."""
         no_prefills = seq_lens[:0]
         return TritonMetadata(slot_mapping, block_tables.shape[0], block_tables, seq_lens, block_tables[:0],
                               no_prefills, no_prefills, 0)

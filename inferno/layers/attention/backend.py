@@ -1,0 +1,28 @@
+"""What every attention backend offers the model runner and the `Attention` layers: step metadata built from the
+flat batch (or, for a compiled or captured decode step, from tensors), one call per layer, and which kind of fast
+decode step it can run."""
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    # which fast decode step the runner may build over it: a torch.compile'd forward (CPU), CUDA graphs (GPU)
+    compiles_decode_step: ClassVar[bool] = False
+    captures_decode_graphs: ClassVar[bool] = False
+
+    @abstractmethod
+    def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
+                       prefills: list[tuple[int, int, list[int]]]):
+        """The step's metadata. decodes: per decode row (sequence length, block ids); prefills: per chunk (tokens,
+        tokens already cached, block ids), after the decode rows in the flat batch."""
+
+    @abstractmethod
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+        """Decode rows only, from tensors (what a compiled or captured decode step traces)."""
+
+    @abstractmethod
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        """Writes the step's new K/V into the layer's cache and attends: q [T, H, D] -> [T, H * D]."""
