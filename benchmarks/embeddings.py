@@ -125,7 +125,7 @@ def measure(engines: list[Engine], tokenizer, args: argparse.Namespace) -> dict[
             texts = make_texts(tokenizer, args.num_texts, low, high, seed=run)
             num_tokens = sum(len(tokenizer.encode(t)) for t in texts)
             counts.append(num_tokens)
-            reference = None
+            reference, times = None, []
             for engine in engines:
                 start = time.perf_counter()
                 vectors = engine.embed(texts)
@@ -137,8 +137,8 @@ def measure(engines: list[Engine], tokenizer, args: argparse.Namespace) -> dict[
                 if run:  # run 0 warms up
                     engine.seconds.setdefault(case, []).append(seconds)
                     engine.tokens_per_s.setdefault(case, []).append(num_tokens / seconds)
-            print(f"{case} run {run}: " + ", ".join(f"{e.name} {e.seconds.get(case, [0])[-1]:.2f} s"
-                                                     for e in engines), flush=True)
+                times.append(f"{engine.name} {seconds:.2f} s")
+            print(f"{case} run {run}{' (warm-up)' if run == 0 else ''}: {', '.join(times)}", flush=True)
         tokens[case] = round(statistics.mean(counts))
     return tokens
 
