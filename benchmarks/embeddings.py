@@ -11,13 +11,13 @@ same weights. What runs:
 - inferno on the folder: `LLM(folder, runner="pooling", num_threads=--threads)` with its defaults (dtype "auto":
   float32 on CPUs without native bfloat16, bfloat16 on those with it), `--quantization` adding a row with quantized
   weights;
-- inferno on the GGUF as stored (without `--model`, or `--gguf FILE`): the file's Q4_1 blocks, run by the int4
-  kernels; a user with a GGUF embeds from it.
+- inferno on the GGUF as stored (without `--model`, or `--gguf FILE`): the file's quantized blocks (the default's
+  Q4_1: the int4 kernels); a user with a GGUF embeds from it.
 
 Texts: `--num-texts` random sentences per case, short (16-64 tokens) and long (256-512), fresh ones in every run
-(distinct from their first word: no prefix-cache hits, every engine with its defaults). Every engine embeds once to
-warm up (inferno: then its background warm-up is awaited), then the engines take turns, `--repeats` runs each; the
-table has each one's median, and the smallest cosine between its vectors and sentence-transformers'.
+(distinct from their first word: no prefix-cache hits, every engine with its defaults). Each case's first run warms
+every engine up (inferno's background warm-up is awaited before), then the engines take turns, `--repeats` runs
+each; the table has each one's median, and the smallest cosine between its vectors and sentence-transformers'.
 
     python benchmarks/embeddings.py [--model FOLDER] [--gguf FILE] [--threads N] [--quantization int8]
 """
