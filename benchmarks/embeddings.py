@@ -1,24 +1,36 @@
-"""Embeddings throughput: inferno's `LLM.embed` against sentence-transformers' `encode()` on the same model, dtype
-and threads.
+"""Embeddings throughput: inferno's `LLM.embed` against sentence-transformers' `encode()` on the same weights and
+threads, for short and long texts.
 
 The model is a sentence-transformers folder (last-token pooling, normalized: Qwen3-Embedding's recipe): `--model`
 names one (any folder of an architecture inferno runs, e.g. Qwen/Qwen3-Embedding-0.6B), else the default model's
-weights (SmolLM2-135M, read from its GGUF by transformers) are saved as one. The texts: `--num-texts` random
-sentences of `--min-tokens`..`--max-tokens` tokens, distinct from their first words (no prefix-cache hits).
-Each side embeds them once to warm up, then `--repeats` times; the table has the best run of each (prompts/s and
-tokens/s), the speedup, and the smallest cosine between the two sides' vectors (near 1 when both embedded the same
-tokens: sentence-transformers 6 wraps each text in the chat template of a tokenizer that has one, inferno does not).
+GGUF (SmolLM2-135M-Instruct Q4_1) is dequantized by transformers and saved as one, so that both engines hold the
+same weights. What runs:
 
-    python benchmarks/embeddings.py [--model FOLDER] [--threads N] [--dtype float32] [--quantization int8]
+- sentence-transformers: `encode(texts, batch_size=--batch-size)` in float32 (its default on the CPU), with
+  `torch.set_num_threads(--threads)`; it sorts the texts by length and pads each batch to its longest.
+- inferno on the folder: `LLM(folder, runner="pooling", num_threads=--threads)` with its defaults (dtype "auto":
+  float32 on CPUs without native bfloat16, bfloat16 on those with it), `--quantization` adding a row with quantized
+  weights;
+- inferno on the GGUF as stored (without `--model`, or `--gguf FILE`): the file's quantized blocks (the default's
+  Q4_1: the int4 kernels); a user with a GGUF embeds from it.
+
+Texts: `--num-texts` random sentences per case, short (16-64 tokens) and long (256-512), fresh ones in every run
+(distinct from their first word: no prefix-cache hits, every engine with its defaults). Each case's first run warms
+every engine up (inferno's background warm-up is awaited before), then the engines take turns, `--repeats` runs
+each; the table has each one's median, and the smallest cosine between its vectors and sentence-transformers'.
+
+    python benchmarks/embeddings.py [--model FOLDER] [--gguf FILE] [--threads N] [--quantization int8]
 """
 import argparse
 import os
-import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,13 +41,12 @@ from results_md import write_section
 WORDS = ("the model reads every token of a prompt and pools its hidden states into one vector that retrieval "
          "systems compare by cosine similarity across documents queries passages and questions about weather "
          "history science cooking travel music software engines kernels caches batches threads").split()
+CASES = {"short": (16, 64), "long": (256, 512)}
 
 
-def make_st_folder(folder: Path) -> Path:
-    """The default model as a sentence-transformers folder: HF weights, last-token pooling, Normalize."""
+def make_st_folder(folder: Path, gguf: Path) -> Path:
+    """`gguf` as a sentence-transformers folder: HF float32 weights, last-token pooling, Normalize."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from inferno.loader.model_loader import default_model_path
-    gguf = Path(default_model_path())
     hf = folder / "hf"
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
@@ -47,18 +58,13 @@ def make_st_folder(folder: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.chat_template = None  # with one, sentence-transformers 6 would embed each text as a chat message
     tokenizer.save_pretrained(hf)
-    st_models = sentence_transformers_models()
-    transformer = st_models.Transformer(str(hf))
-    pooling = st_models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="lasttoken")
-    st_model(modules=[transformer, pooling, st_models.Normalize()]).save(str(folder / "st"))
-    return folder / "st"
-
-
-def sentence_transformers_models():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from sentence_transformers import models
-    return models
+    transformer = models.Transformer(str(hf))
+    pooling = models.Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
+    st_model(modules=[transformer, pooling, models.Normalize()]).save(str(folder / "st"))
+    return folder / "st"
 
 
 def st_model(**kwargs):
@@ -66,88 +72,131 @@ def st_model(**kwargs):
     return SentenceTransformer(device="cpu", **kwargs)
 
 
-def make_texts(tokenizer, count: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[str]:
+def make_texts(tokenizer, count: int, min_tokens: int, max_tokens: int, seed: int) -> list[str]:
+    """`count` texts of `min_tokens`..`max_tokens` tokens, each starting with its own "<seed>.<i>"."""
     rng = random.Random(seed)
     texts = []
     for i in range(count):
         target = rng.randint(min_tokens, max_tokens)
-        words = [str(i)]
+        words = [f"{seed}.{i}"]
         while len(tokenizer.encode(" ".join(words))) < target:
-            words += rng.choices(WORDS, k=8)
+            words += rng.choices(WORDS, k=4)
         texts.append(" ".join(words))
     return texts
 
 
-def best_time(run, repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+@dataclass
+class Engine:
+    name: str
+    runs: str  # what it computes with, for the table
+    embed: Callable[[list[str]], torch.Tensor]  # the texts' vectors, float32 [texts, hidden]
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # per case
+    tokens_per_s: dict[str, list[float]] = field(default_factory=dict)
+    min_cosine: dict[str, float] = field(default_factory=dict)
+
+
+def sentence_transformers_engine(model, batch_size: int) -> Engine:
+    return Engine("sentence-transformers `encode()`", f"float32 weights, batches of {batch_size} padded",
+                  lambda texts: model.encode(texts, batch_size=batch_size, convert_to_tensor=True).float())
+
+
+def inferno_engine(model: str, name: str, threads: int, quantization: str | None = "auto") -> Engine:
+    """`LLM(model, runner="pooling")` with its defaults but the threads (and `quantization`), warmed up: one embed
+    call, then its background warm-up (weights regrouped into tiles, moved onto huge pages) awaited."""
+    from inferno import LLM
+    llm = LLM(model=model, runner="pooling", num_threads=threads, quantization=quantization)
+
+    def embed(texts: list[str]) -> torch.Tensor:
+        return torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    embed(["a first text to warm up with", "and a second one"])
+    llm.wait_for_warm_up()
+    config = llm.llm_engine.config
+    weights = "weights as stored" if quantization == "auto" else f"{quantization} weights"
+    return Engine(name, f"{config.dtype}, {weights}, {config.max_num_batched_tokens} tokens per step", embed)
+
+
+def measure(engines: list[Engine], tokenizer, args: argparse.Namespace) -> dict[str, int]:
+    """Every case: each engine warmed on it once, then `--repeats` rounds in which the engines take turns on the
+    round's fresh texts; returns each case's mean token count per run."""
+    tokens = {}
+    for case, (low, high) in CASES.items():
+        counts = []
+        for run in range(args.repeats + 1):
+            texts = make_texts(tokenizer, args.num_texts, low, high, seed=run)
+            num_tokens = sum(len(tokenizer.encode(t)) for t in texts)
+            counts.append(num_tokens)
+            reference, times = None, []
+            for engine in engines:
+                start = time.perf_counter()
+                vectors = engine.embed(texts)
+                seconds = time.perf_counter() - start
+                if reference is None:
+                    reference = vectors
+                engine.min_cosine[case] = min(engine.min_cosine.get(case, 1.0), F.cosine_similarity(
+                    vectors.double(), reference.double(), dim=-1).min().item())
+                if run:  # run 0 warms up
+                    engine.seconds.setdefault(case, []).append(seconds)
+                    engine.tokens_per_s.setdefault(case, []).append(num_tokens / seconds)
+                times.append(f"{engine.name} {seconds:.2f} s")
+            print(f"{case} run {run}{' (warm-up)' if run == 0 else ''}: {', '.join(times)}", flush=True)
+        tokens[case] = round(statistics.mean(counts))
+    return tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a sentence-transformers folder (default: SmolLM2-135M saved as one)")
+    parser.add_argument("--model", help="a sentence-transformers folder (default: the default GGUF saved as one)")
+    parser.add_argument("--gguf", help="a GGUF file of the same weights, embedded as stored (default: the default "
+                        "model's, when --model is not given)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", choices=["int8", "int4", "w8a8"],
-                        help="inferno's weights (default: float, as sentence-transformers runs them)")
-    parser.add_argument("--num-texts", type=int, default=256)
-    parser.add_argument("--min-tokens", type=int, default=100)
-    parser.add_argument("--max-tokens", type=int, default=500)
+                        help="add inferno on the folder with these weights")
+    parser.add_argument("--num-texts", type=int, default=128, help="texts per case and run")
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode() batch size")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from inferno.loader.model_loader import default_model_path
+    gguf = args.gguf or (None if args.model else default_model_path())
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.model) if args.model else make_st_folder(Path(tmp))
-        dtype = getattr(torch, args.dtype)
-        oracle = st_model(model_name_or_path=str(folder), model_kwargs={"dtype": dtype})
-        texts = make_texts(oracle.tokenizer, args.num_texts, args.min_tokens, args.max_tokens)
-        num_tokens = sum(len(oracle.tokenizer.encode(t)) for t in texts)
-
-        def st_run():
-            return oracle.encode(texts, batch_size=args.batch_size, convert_to_tensor=True)
-        st_seconds = best_time(st_run, args.repeats)
-        st_vectors = st_run().float()
-        del oracle
-
-        from inferno import LLM
-        llm = LLM(model=str(folder), runner="pooling", dtype=args.dtype, num_threads=args.threads,
-                  quantization=args.quantization, enable_prefix_caching=False)
-
-        def inferno_run():
-            return llm.embed(texts, use_tqdm=False)
-        inferno_seconds = best_time(inferno_run, args.repeats)
-        vectors = torch.tensor([o.outputs.embedding for o in inferno_run()])
-    min_cosine = F.cosine_similarity(vectors.double(), st_vectors.double(), dim=-1).min().item()
-    report(args, folder if args.model else "SmolLM2-135M-Instruct (HF float, as a sentence-transformers folder)",
-           num_tokens, st_seconds, inferno_seconds, min_cosine)
+        folder = Path(args.model) if args.model else make_st_folder(Path(tmp), Path(gguf))
+        oracle = st_model(model_name_or_path=str(folder), model_kwargs={"dtype": torch.float32})
+        engines = [sentence_transformers_engine(oracle, args.batch_size),
+                   inferno_engine(str(folder), "inferno `LLM.embed`, the folder", args.threads)]
+        if args.quantization:
+            engines.append(inferno_engine(str(folder), f"inferno `LLM.embed`, the folder, {args.quantization}",
+                                          args.threads, args.quantization))
+        if gguf:
+            engines.append(inferno_engine(gguf, f"inferno `LLM.embed`, {Path(gguf).name}", args.threads))
+        tokens = measure(engines, oracle.tokenizer, args)
+    report(args, folder if args.model else f"{Path(gguf).name} saved as a float32 sentence-transformers folder",
+           engines, tokens)
 
 
-def report(args, model, num_tokens: int, st_seconds: float, inferno_seconds: float, min_cosine: float) -> None:
-    n = args.num_texts
-    weights = f", {args.quantization} weights" if args.quantization else ""
-    rows = [("sentence-transformers encode()", st_seconds), (f"inferno LLM.embed{weights}", inferno_seconds)]
-    table = ["| engine | seconds | prompts/s | tokens/s |", "| --- | --- | --- | --- |"]
-    table += [f"| {name} | {s:.2f} | {n / s:.1f} | {num_tokens / s:.0f} |" for name, s in rows]
-    body = "\n".join([
-        "## Embeddings throughput",
-        "",
-        f"`python benchmarks/embeddings.py --threads {args.threads} --dtype {args.dtype}"
-        f"{f' --quantization {args.quantization}' if args.quantization else ''}` on {platform.machine()} "
-        f"({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}: {model}, {n} texts of {args.min_tokens}.."
-        f"{args.max_tokens} tokens ({num_tokens} in all), last-token pooling, normalized; best of {args.repeats}.",
-        "",
-        *table,
-        "",
-        f"inferno / sentence-transformers: **{st_seconds / inferno_seconds:.2f}x**; smallest cosine between their "
-        f"vectors {min_cosine:.6f}.",
-    ])
+def report(args: argparse.Namespace, model: str, engines: list[Engine], tokens: dict[str, int]) -> None:
+    command = (f"python benchmarks/embeddings.py --threads {args.threads} --num-texts {args.num_texts} --repeats "
+               f"{args.repeats}" + "".join(f" --{name} {getattr(args, name)}" for name in ("model", "gguf",
+                                                                                              "quantization")
+                                           if getattr(args, name)))
+    lines = ["## Embeddings throughput (`benchmarks/embeddings.py`)", "",
+             f"- Command: `{command}`",
+             f"- Model: {model}; last-token pooling, normalized; {args.threads} threads for every engine",
+             f"- Texts: {args.num_texts} per run, fresh ones each run; medians of {args.repeats} runs, the engines "
+             "taking turns, each warmed up first", ""]
+    st = engines[0]
+    for case, (low, high) in CASES.items():
+        lines += [f"{case.capitalize()} texts, {low}-{high} tokens ({tokens[case]} tokens per run):", "",
+                  "| engine | runs | seconds | texts/s | tokens/s | × sentence-transformers | min cosine |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        st_tps = statistics.median(st.tokens_per_s[case])
+        for e in engines:
+            seconds, tps = statistics.median(e.seconds[case]), statistics.median(e.tokens_per_s[case])
+            cosine = "–" if e is st else f"{e.min_cosine[case]:.6f}"
+            lines.append(f"| {e.name} | {e.runs} | {seconds:.2f} | {args.num_texts / seconds:.1f} | {tps:.0f} | "
+                         f"**{tps / st_tps:.2f}×** | {cosine} |")
+        lines.append("")
+    body = "\n".join(lines)
     print(body)
     write_section(args.results, "embeddings", body)
 

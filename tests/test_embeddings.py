@@ -135,8 +135,10 @@ def test_dimensions_need_a_matryoshka_model(qwen3_folder, tmp_path):
         llm.embed("hello", PoolingParams(dimensions=20))
 
 
-def test_pooling_runner_generates_nothing(qwen3_folder):
-    llm = LLM(model=str(qwen3_folder), runner="pooling", **ENGINE)
+def test_pooling_runner_generates_and_compiles_nothing(qwen3_folder):
+    # the compiled decode step allowed: an embedding model never decodes, so its warm-up compiles nothing that
+    # would take cores from the prompts
+    llm = LLM(model=str(qwen3_folder), runner="pooling", **ENGINE, enforce_eager=False)
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.generate("hello")
     with pytest.raises(ValueError, match="max_model_len"):
@@ -145,6 +147,7 @@ def test_pooling_runner_generates_nothing(qwen3_folder):
     full = llm.embed({"prompt_token_ids": [7] * llm.llm_engine.max_model_len})
     assert len(full[0].outputs.embedding) == 64
     assert_all_blocks_free(llm.llm_engine)
+    assert not llm.wait_for_warm_up()  # True when decode steps run compiled
 
 
 def test_gguf_embeddings_follow_the_float_model(llm, hf_model):

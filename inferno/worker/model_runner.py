@@ -78,8 +78,10 @@ class ModelRunner:
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
         self.compiled_decode = None
         # a compiled or captured decode step (single rank, not MoE: its routing is data-dependent control flow) is
-        # warmed up on one block beyond the pool, a scratch block no request can hold
-        fast_decode = not engine_config.enforce_eager and parallel.world_size == 1 and self.config.moe is None
+        # warmed up on one block beyond the pool, a scratch block no request can hold; an embedding model
+        # (runner="pooling") never decodes, so it compiles nothing that would take cores from its prompts
+        fast_decode = (not engine_config.enforce_eager and parallel.world_size == 1 and self.config.moe is None
+                       and engine_config.runner != "pooling")
         self.scratch_block = num_blocks if fast_decode else None
         self.num_cache_blocks = num_blocks + fast_decode
         if fast_decode and device.type == "cpu":  # the compiled step's shapes the same from start to start
