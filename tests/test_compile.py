@@ -16,7 +16,8 @@ from inferno.layers.quantization.q8 import Q8Linear
 from inferno.layers.quantization.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker import model_runner
-from inferno.worker.model_runner import ModelRunner, vector_width_option
+from inferno.worker.compiled_decode import vector_width_option
+from inferno.worker.model_runner import ModelRunner
 from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
 from tiny_models import write_hf_model
