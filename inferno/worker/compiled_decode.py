@@ -19,6 +19,9 @@ logger = logging.getLogger("inferno")
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # the two graphs: a batch of one is always specialised by dynamo; any other batch size is a symbol
 GRAPHS = {"one sequence": 1, "batches": 2}
+# the phases of a compile logged, by dynamo's timers (torch._dynamo.utils.compilation_time_metrics)
+PHASES = {"inductor": "compile_fx.<locals>.fw_compiler_base", "cpp": "PyCodeCache.load_by_key_path",
+          "guards": "build_guards"}
 
 
 def decode_step(model: torch.nn.Module, attention, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -89,16 +92,23 @@ def compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_
         if batch > 1:
             for t in inputs:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        start, hits = time.perf_counter(), compile_cache_hits()
+        start, hits, before = time.perf_counter(), compile_cache_hits(), phase_seconds()
         graph = compiled.aot_compile(((model, attention, *inputs), {}))
-        built = time.perf_counter()
+        seconds = time.perf_counter() - start
         serialized[name] = graph.serialize(graph).serialized_data
         graph.disable_guard_check()  # CompiledDecode.run checks them, and runs a failing step eagerly
         graphs[name] = graph
-        logger.info("decode graph for %s compiled in %.1f s (%s), serialized in %.2f s", name, built - start,
-                    "inductor's code from its cache" if compile_cache_hits() > hits
-                    else "C++ generated and built", time.perf_counter() - built)
+        phases = {key: value - before[key] for key, value in phase_seconds().items()}
+        logger.info("decode graph for %s compiled in %.1f s: tracing %.1f s, inductor %.1f s (its C++ built and "
+                    "loaded %.1f s; %s), guards %.2f s", name, seconds,
+                    seconds - phases["inductor"] - phases["guards"], phases["inductor"], phases["cpp"],
+                    "from inductor's cache" if compile_cache_hits() > hits else "generated", phases["guards"])
     return CompiledDecode(graphs, serialized=serialized)
+
+
+def phase_seconds() -> dict[str, float]:
+    from torch._dynamo.utils import compilation_time_metrics
+    return {name: sum(compilation_time_metrics.get(key, ())) for name, key in PHASES.items()}
 
 
 def load_graphs(serialized: dict[str, bytes]) -> CompiledDecode:
