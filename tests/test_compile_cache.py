@@ -102,6 +102,21 @@ def test_another_model_of_the_same_shapes_and_another_pool_size_reuse_the_graphs
     assert other["compiled"] != first["compiled"]
 
 
+def test_a_damaged_precompiled_step_is_compiled_afresh(models, first_start):
+    """A byte changed inside the precompiled step's file (its length unchanged): the checksum catches it, the start
+    compiles the step again with the same bits and saves a sound file (before the cut-short test below, which may
+    leave files of other keys)."""
+    cache, first = first_start
+    [path] = precompiled_files(cache)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = start(models[0], cache)
+    assert "is damaged" in result["log"] and traced_graphs(result) == 2
+    assert result["compiled"] == first["compiled"]
+    assert read_precompiled(path) is not None
+
+
 def test_a_cache_cut_short_is_compiled_afresh(models, first_start):
     """Every file of the cache cut to half its size (a disk full, a copy interrupted): the start still compiles
     its decode step, with the same bits, and leaves a whole cache behind (which the other tests may use next)."""
@@ -113,23 +128,10 @@ def test_a_cache_cut_short_is_compiled_afresh(models, first_start):
             f.truncate(path.stat().st_size // 2)
     result = start(models[0], cache)
     assert result["compiled"] == first["compiled"]
+    # compiled afresh: its precompiled step was cut short, or inductor's CPU probes in the folder were (another vector
+    # width in the options, another key)
     assert traced_graphs(result) == 2
-    assert "is damaged" in result["log"]
-    assert [read_precompiled(path) is not None for path in precompiled_files(cache)] == [True]
-
-
-def test_a_damaged_precompiled_step_is_compiled_afresh(models, first_start):
-    """A byte changed inside the precompiled step's file (its length unchanged): the checksum catches it, the start
-    compiles the step again with the same bits and saves a sound file."""
-    cache, first = first_start
-    [path] = precompiled_files(cache)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    result = start(models[0], cache)
-    assert "is damaged" in result["log"] and traced_graphs(result) == 2
-    assert result["compiled"] == first["compiled"]
-    assert read_precompiled(path) is not None
+    assert any(read_precompiled(path) is not None for path in precompiled_files(cache))
 
 
 def test_the_precompiled_key_follows_shapes_settings_and_options():

@@ -14,8 +14,9 @@ the step compiled afresh: `clear_compile_cache`).
 
 The precompiled step skips what inductor's key is made of (the traced graph), so its own key is everything the
 trace depends on (`precompiled_key`): inferno's code and kernel library, torch and Python, the compile options, and
-the model's structure down to every tensor's shape, dtype and strides and every attribute the layers read (the
-engine and model configuration included); not the weights' values, which are inputs of the graphs. Its file carries
+the structure of the model and its attention backend down to every tensor's shape, dtype and strides and every
+attribute the layers read (the model's configuration, and the engine's as they hold it: KV cache dtype and capacity,
+backend, quantization); not the weights' values, which are inputs of the graphs. Its file carries
 a checksum: a file cut short or damaged is removed and compiled afresh.
 """
 import dataclasses
@@ -93,7 +94,7 @@ def precompiled_path(folder: Path, key: str) -> Path:
 
 def precompiled_key(*parts: object) -> str:
     """A digest of what a precompiled step's trace depends on: inferno's code, torch, Python, INFERNO_CPU_ISA and
-    the structure of each of `parts` (the model, its attention backend, the engine configuration, the options)."""
+    the structure of each of `parts` (the model, its attention backend, the options)."""
     digest = hashlib.sha256()
     for part in (code_digest(), torch.__version__, sys.version, os.environ.get("INFERNO_CPU_ISA", ""),
                  *map(structure, parts)):

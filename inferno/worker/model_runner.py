@@ -63,7 +63,6 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, engine_config: EngineConfig, num_blocks: int,
                  parallel: ParallelRank = SINGLE, device: torch.device = torch.device("cpu")):
         self.model = model
-        self.engine_config = engine_config
         self.device = device
         self.config = model.config
         self.parallel = parallel
@@ -300,8 +299,9 @@ class ModelRunner:
         compiled (once more from scratch where an entry of inductor's caches broke it) and saved."""
         scratch = (self.model, self.attention, self.scratch_block, self.block_size)
         start = time.perf_counter()
-        path = precompiled_path(folder, precompiled_key(self.model, self.attention, self.engine_config,
-                                                        compile_options()))
+        # what the trace reads: the model and its attention backend (the engine's options as they hold them: the KV
+        # caches' dtype and capacity, the backend, the quantized layers), and inductor's options
+        path = precompiled_path(folder, precompiled_key(self.model, self.attention, compile_options()))
         logger.info("decode step: looking for its precompiled graphs (key made in %.2f s)",
                     time.perf_counter() - start)
         if (serialized := read_precompiled(path)) is not None:
