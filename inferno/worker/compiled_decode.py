@@ -25,9 +25,11 @@ logger = logging.getLogger("inferno")
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # the two graphs: a batch of one is always specialised by dynamo; any other batch size is a symbol
 GRAPHS = {"one sequence": 1, "batches": 2}
-# the phases of a compile logged, by dynamo's timers (torch._dynamo.utils.compilation_time_metrics)
-PHASES = {"inductor": "compile_fx.<locals>.fw_compiler_base", "cpp": "PyCodeCache.load_by_key_path",
-          "guards": "build_guards"}
+# traces of one graph at most, where floats are specialised one by one (aot_compile)
+MAX_RESTARTS = 8
+# the phases of a compile logged, by dynamo's timers (torch._dynamo.utils.compilation_time_metrics); the rest of it
+# is dynamo's tracing and guards (not timed apart by the AOT compile)
+PHASES = {"inductor": "compile_fx.<locals>.fw_compiler_base", "cpp": "PyCodeCache.load_by_key_path"}
 
 
 def decode_step(model: torch.nn.Module, attention, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -87,7 +89,8 @@ class CompiledDecode:
 
 
 def compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_size: int) -> CompiledDecode:
-    """Both graphs traced and built (from inductor's caches where it has them), each logged with its phases."""
+    """Both graphs traced and built (from inductor's caches where it has them), each logged with its phases (dynamo's
+    timers)."""
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=None,
                              options={"guard_filter_fn": serializable_step_guards, **compile_options()})
     graphs, serialized = {}, {}
@@ -98,17 +101,29 @@ def compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_
             for t in inputs:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         start, hits, before = time.perf_counter(), compile_cache_hits(), phase_seconds()
-        graph = compiled.aot_compile(((model, attention, *inputs), {}))
+        graph = aot_compile(compiled, (model, attention, *inputs))
         seconds = time.perf_counter() - start
         serialized[name] = graph.serialize(graph).serialized_data
         graph.disable_guard_check()  # CompiledDecode.run checks them, and runs a failing step eagerly
         graphs[name] = graph
         phases = {key: value - before[key] for key, value in phase_seconds().items()}
-        logger.info("decode graph for %s compiled in %.1f s: tracing %.1f s, inductor %.1f s (its C++ built and "
-                    "loaded %.1f s; %s), guards %.2f s", name, seconds,
-                    seconds - phases["inductor"] - phases["guards"], phases["inductor"], phases["cpp"],
-                    "from inductor's cache" if compile_cache_hits() > hits else "generated", phases["guards"])
+        logger.info("decode graph for %s compiled in %.1f s: tracing and guards %.1f s, inductor %.1f s (its C++ "
+                    "built and loaded %.1f s; %s)", name, seconds, seconds - phases["inductor"], phases["inductor"],
+                    phases["cpp"], "from inductor's cache" if compile_cache_hits() > hits else "generated")
     return CompiledDecode(graphs, serialized=serialized)
+
+
+def aot_compile(compiled, args: tuple):
+    """`compiled.aot_compile` of `args`, traced again where AOTAutograd asks for a Python float to be specialised
+    (a scale of the Q4_K layers, say): dynamo's own compiles restart so, its AOT one raises instead (the float is
+    marked by then, so the next trace specialises it)."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    for _ in range(MAX_RESTARTS):
+        try:
+            return compiled.aot_compile((args, {}))
+        except TensorifyScalarRestartAnalysis:
+            logger.info("decode graph: a float specialised, tracing again")
+    return compiled.aot_compile((args, {}))
 
 
 def phase_seconds() -> dict[str, float]:
