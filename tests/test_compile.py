@@ -16,7 +16,8 @@ from inferno.layers.quantization.q8 import Q8Linear
 from inferno.layers.quantization.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
 from inferno.worker import model_runner
-from inferno.worker.model_runner import ModelRunner, vector_width_option
+from inferno.worker.compiled_decode import vector_width_option
+from inferno.worker.model_runner import ModelRunner
 from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
 from tiny_models import write_hf_model
@@ -60,9 +61,13 @@ def test_compiled_decode_matches_eager(model, engine_args):
     for attn in runner.model.attention_layers:
         assert not attn.k_cache[:, :runner.scratch_block].any() and attn.k_cache[:, runner.scratch_block].any()
     graphs = counters["stats"]["unique_graphs"]  # compiled by the warm-up: one request, and any batch
+    steps = runner.compiled_decode
     for prompts in (PROMPTS[:1], PROMPTS):  # batch 1 (a specialised graph), then a dynamic batch size
+        before = steps.num_compiled_steps
         for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):
             assert_identical(ref, out)
+        assert steps.num_compiled_steps >= before + PARAMS.max_tokens - 1  # every decode step ran compiled
+    assert steps.num_eager_steps == 0
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for other batch sizes or table widths
 
 

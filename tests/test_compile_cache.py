@@ -1,16 +1,20 @@
 """The compiled decode step is kept between starts (inferno/worker/compile_cache.py): a second process loads both
-graphs from the compile cache instead of compiling them, and computes the same bits; a cache whose files were cut
-short is survived (compiled afresh, same bits); another model file of the same shapes reuses the graphs (its
-weights are inputs, not constants) yet gets its own results. Each start is a new process on a tiny random GGUF."""
+graphs precompiled instead of tracing and compiling them, warms up in a fraction of the first's time and computes
+the same bits; a cache whose files were cut short, or whose precompiled step was damaged, is survived (compiled
+afresh, same bits); another model file of the same shapes reuses the graphs (its weights are inputs, not constants)
+yet gets its own results. Each start is a new process on a tiny random GGUF."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from inferno.kernels import paged_attention
+from inferno.worker.compile_cache import precompiled_key, read_precompiled, structure, write_precompiled
 from tiny_gguf import T, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(paged_attention() is None, reason="the compiled decode step needs the native kernel")
@@ -49,9 +53,17 @@ def start(model: Path, cache: Path, engines: str = "compiled", kv_cache_mib: int
     return result
 
 
-def compiled_graphs(result: dict) -> int:
-    """Graphs inductor compiled (rather than loaded from its cache) in that process."""
-    return result["counters"].get("inductor", {}).get("fxgraph_cache_miss", 0)
+def traced_graphs(result: dict) -> int:
+    """Graphs dynamo traced in that process (none where the precompiled step was loaded)."""
+    return result["counters"].get("stats", {}).get("unique_graphs", 0)
+
+
+def warm_up_seconds(result: dict) -> float:
+    return float(re.search(r"decode steps run compiled from now on \(warmed up in ([0-9.]+) s", result["log"])[1])
+
+
+def precompiled_files(cache: Path) -> list[Path]:
+    return list(cache.rglob("decode-*.bin"))
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +78,18 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 def first_start(models, tmp_path_factory) -> tuple[Path, dict]:
     cache = tmp_path_factory.mktemp("compile-cache")
     result = start(models[0], cache)
-    assert compiled_graphs(result) == 2  # an empty cache: both graphs compiled
+    assert traced_graphs(result) == 2  # an empty cache: both graphs traced and compiled
+    assert len(precompiled_files(cache)) == 1
     return cache, result
 
 
-def test_second_start_loads_the_compiled_step_and_gets_the_same_bits(models, first_start):
+def test_second_start_loads_the_precompiled_step_and_gets_the_same_bits(models, first_start):
     cache, first = first_start
     second = start(models[0], cache)
-    assert compiled_graphs(second) == 0
-    assert second["counters"]["inductor"]["fxgraph_cache_hit"] == 2
-    assert "from the compile cache" in second["log"]
+    assert traced_graphs(second) == 0  # no dynamo at all
+    assert "decode graphs loaded from decode-" in second["log"]
     assert second["compiled"] == first["compiled"]
+    assert warm_up_seconds(second) < warm_up_seconds(first) / 2
 
 
 def test_another_model_of_the_same_shapes_and_another_pool_size_reuse_the_graphs(models, first_start):
@@ -84,9 +97,24 @@ def test_another_model_of_the_same_shapes_and_another_pool_size_reuse_the_graphs
     instead of 1024 (the pool follows the memory available at each start) is made with the same capacity."""
     cache, first = first_start
     other = start(models[1], cache, engines="both", kv_cache_mib=20)
-    assert compiled_graphs(other) == 0
+    assert traced_graphs(other) == 0
     assert other["compiled"] == other["eager"]  # its own weights, bit for bit
     assert other["compiled"] != first["compiled"]
+
+
+def test_a_damaged_precompiled_step_is_compiled_afresh(models, first_start):
+    """A byte changed inside the precompiled step's file (its length unchanged): the checksum catches it, the start
+    compiles the step again with the same bits and saves a sound file (before the cut-short test below, which may
+    leave files of other keys)."""
+    cache, first = first_start
+    [path] = precompiled_files(cache)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = start(models[0], cache)
+    assert "is damaged" in result["log"] and traced_graphs(result) == 2
+    assert result["compiled"] == first["compiled"]
+    assert read_precompiled(path) is not None
 
 
 def test_a_cache_cut_short_is_compiled_afresh(models, first_start):
@@ -100,4 +128,36 @@ def test_a_cache_cut_short_is_compiled_afresh(models, first_start):
             f.truncate(path.stat().st_size // 2)
     result = start(models[0], cache)
     assert result["compiled"] == first["compiled"]
-    assert compiled_graphs(result) >= 1
+    # compiled afresh: its precompiled step was cut short, or inductor's CPU probes in the folder were (another vector
+    # width in the options, another key)
+    assert traced_graphs(result) == 2
+    assert any(read_precompiled(path) is not None for path in precompiled_files(cache))
+
+
+def test_the_precompiled_key_follows_shapes_settings_and_options():
+    """What a trace depends on changes the key (a tensor's shape or dtype, a layer's setting, an option); the
+    weights' values do not (they are inputs of the graphs)."""
+    def norm(size: int = 8, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
+        module.eps = eps
+        return module
+    options = {"cpp.threads": 2}
+    key = precompiled_key(norm(), options)
+    assert precompiled_key(norm(), options) == key
+    assert structure(norm()) != structure(norm(size=16))
+    for other in (precompiled_key(norm(size=16), options), precompiled_key(norm(eps=1e-5), options),
+                  precompiled_key(norm(dtype=torch.bfloat16), options), precompiled_key(norm(), {"cpp.threads": 1})):
+        assert other != key
+    changed = norm()
+    with torch.no_grad():
+        changed.weight.mul_(3)
+    assert precompiled_key(changed, options) == key
+
+
+def test_a_precompiled_file_cut_short_reads_as_none(tmp_path):
+    path = tmp_path / "decode-x.bin"
+    write_precompiled(path, {"one sequence": b"graph" * 100})
+    assert read_precompiled(path) == {"one sequence": b"graph" * 100}
+    path.write_bytes(path.read_bytes()[:-10])
+    assert read_precompiled(path) is None and not path.exists()

@@ -6,8 +6,8 @@ import os
 import sys
 import threading
 import time
-import types
 import weakref
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -25,8 +25,10 @@ from inferno.model.llama import LlamaForCausalLM
 from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.pipeline import run_first_stage, run_later_stage
-from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, stable_block_capacity,
-                                         use_compile_cache)
+from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, precompiled_key, precompiled_path,
+                                         read_precompiled, stable_block_capacity, use_compile_cache, write_precompiled)
+from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, load_graphs,
+                                           scratch_inputs, warm_up_graphs)
 from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.huge_pages import move_weights_to_huge_pages
@@ -37,9 +39,6 @@ from inferno.worker.request_state import CachedRequestState, update_states
 
 logger = logging.getLogger("inferno")
 
-# dynamo's compile stance is one for the whole process: held by a compile thread for its warm-up (stance "default")
-# and by every compiled step ("eager_on_recompile"); a step that finds it taken runs eagerly
-DYNAMO_STANCE = threading.Lock()
 # the warm-up thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
 # starved for long by other processes, which would stall the serving thread waiting for the GIL
 WARM_UP_NICENESS = 10
@@ -76,7 +75,7 @@ class ModelRunner:
         keep_freed_memory()
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
-        self.compiled_decode = None
+        self.compiled_decode: CompiledDecode | None = None
         # a compiled or captured decode step (single rank, not MoE: its routing is data-dependent control flow) is
         # warmed up on one block beyond the pool, a scratch block no request can hold; an embedding model
         # (runner="pooling") never decodes, so it compiles nothing that would take cores from its prompts
@@ -266,45 +265,30 @@ class ModelRunner:
         input_ids, positions = (torch.tensor(values, dtype=torch.long, device=self.device)
                                 for values in (mb.input_ids, mb.positions))
         compiled = self.compiled_decode
-        if compiled is not None and not mb.prefills and hidden is None and DYNAMO_STANCE.acquire(blocking=False):
-            try:
-                width = max(len(table) for _, table in decodes)
-                tables = torch.tensor([table + [0] * (width - len(table)) for _, table in decodes], dtype=torch.long)
-                seq_lens = torch.tensor([seq_len for seq_len, _ in decodes])
-                return self._run_compiled_decode(compiled, input_ids, positions, torch.tensor(mb.slot_mapping),
-                                                 tables, seq_lens)
-            finally:
-                DYNAMO_STANCE.release()
+        if compiled is not None and not mb.prefills and hidden is None:
+            width = max(len(table) for _, table in decodes)
+            tables = torch.tensor([table + [0] * (width - len(table)) for _, table in decodes], dtype=torch.long)
+            seq_lens = torch.tensor([seq_len for seq_len, _ in decodes])
+            out = compiled.run(self.model, self.attention, input_ids, positions, torch.tensor(mb.slot_mapping),
+                               tables, seq_lens)
+            if out is not None:
+                return out
         meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills)
         return self.model(input_ids, positions, meta, hidden)
 
     def _compile_decode_step(self) -> None:
-        """The compile thread: build the decode graphs, then hand them to the serving thread (`compiled_decode`),
-        which picks them up at its next step.
-
-        The layers' elementwise ops fuse and one call replaces some 40 Python-dispatched ops per layer; the graph's
-        wrapper is C++ too (`cpp_wrapper`: its ~8 kernel and operator calls per layer cost no Python, about 5-10%
-        of a SmolLM2 decode step on 2 AVX2 cores, benchmarks/RESULTS.md). Only the batch size and the block-table
-        width are dynamic (marked in `_run_compiled_decode`); everything else, the KV caches included, is static
-        (their block capacity stays the same from start to start: `stable_block_capacity`; with `dynamic=True`
-        their sizes became symbols: 486 shape guards checked at every step, 0.3 ms, and a slower batch graph).
-        Guards on the modules and globals are skipped because the weights and caches stay the same tensors for the
-        runner's lifetime, so each runner compiles its own copy of the function (graphs are cached per code
-        object: a draft model's runner must not find the target's). The layers call the
-        same native kernels traced as eager (layers/fused_cpu.py), so both paths give the same bits.
+        """The warm-up's compile: the decode graphs (worker/compiled_decode.py) loaded from the compile cache, else
+        compiled and saved there, then run once on the scratch block and handed to the serving thread
+        (`compiled_decode`), which picks them up at its next step.
 
         Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
         hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
-        modules. The warm-up calls do run the graphs on the real caches, but write only the scratch block. What is
-        shared is dynamo's compile stance (process-wide): DYNAMO_STANCE keeps it to one thread at a time."""
+        modules. The warm-up calls do run the graphs on the real caches, but write only the scratch block."""
         folder = use_compile_cache()
         start = time.perf_counter()
         try:
-            with DYNAMO_STANCE, torch.inference_mode():
-                compiled = self._compile_graphs()
-                if compiled is None:  # an entry of the cache failed to load: compile without it, once
-                    clear_compile_cache(folder)
-                    compiled = self._compile_graphs()
+            with torch.inference_mode():
+                compiled = self._load_or_compile(folder)
         except Exception:
             logger.exception("compiling the decode step failed; decode steps stay eager")
             return
@@ -312,56 +296,50 @@ class ModelRunner:
         logger.info("decode steps run compiled from now on (warmed up in %.1f s; compile cache %s)",
                     time.perf_counter() - start, folder)
 
-    def _compile_graphs(self):
-        """The compiled decode step with its two graphs built (their loops parallel over the serving thread's count),
-        with DYNAMO_STANCE held; None if that failed where the compile cache had an entry for it (a library cut
-        short, say), which the caller then clears."""
-        compiled = torch.compile(with_own_code(self._decode_forward), dynamic=None, options={
-            "guard_filter_fn": skip_module_and_global_guards, "emulate_precision_casts": True,
-            "cpp_wrapper": True, "cpp.threads": torch.get_num_threads(), **vector_width_option()})
-        # the graph for one sequence, then the dynamic-batch one (three-block tables: equal sizes would be tied
-        # together), all on the scratch block
-        slot = self.scratch_block * self.block_size
-        for batch in (1, 2):
-            inputs = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
-                      torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
-                      torch.ones(batch, dtype=torch.long))
-            if batch == 1:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
-                self._decode_forward(*inputs)
-            start, hits = time.perf_counter(), compile_cache_hits()
+    def _load_or_compile(self, folder: Path) -> CompiledDecode:
+        """The precompiled step of this model and configuration if the compile cache has a sound one, else the step
+        compiled (once more from scratch where an entry of inductor's caches broke it) and saved."""
+        scratch = (self.model, self.attention, self.scratch_block, self.block_size)
+        start = time.perf_counter()
+        # what the trace reads: the model and its attention backend (the engine's options as they hold them: the KV
+        # caches' dtype and capacity, the backend, the quantized layers), and inductor's options
+        path = precompiled_path(folder, precompiled_key(self.model, self.attention, compile_options()))
+        logger.info("decode step: looking for its precompiled graphs (key made in %.2f s)",
+                    time.perf_counter() - start)
+        if (serialized := read_precompiled(path)) is not None:
             try:
-                self._run_compiled_decode(compiled, *inputs, stance="default")
+                return self._load_graphs(serialized, path)
             except Exception:
-                if compile_cache_hits() == hits:
-                    raise
-                logger.exception("a compiled decode graph from the compile cache failed; compiling afresh")
-                return None
-            logger.info("decode graph for %s compiled in %.1f s (%s)", "one sequence" if batch == 1 else "batches",
-                        time.perf_counter() - start, "from the compile cache" if compile_cache_hits() > hits
-                        else "not in the compile cache")
+                logger.exception("the precompiled decode step %s cannot be used; compiling afresh", path)
+                path.unlink(missing_ok=True)
+                clear_compile_cache(folder)  # its libraries may be what broke
+        self._decode_forward(*scratch_inputs(1, self.scratch_block, self.block_size))  # fused_cpu's lazy picks
+        hits = compile_cache_hits()
+        try:
+            compiled = compile_graphs(*scratch)
+            warm_up_graphs(compiled, *scratch)
+        except Exception:
+            if compile_cache_hits() == hits:
+                raise
+            logger.exception("a compiled decode graph from the compile cache failed; compiling afresh")
+            clear_compile_cache(folder)
+            compiled = compile_graphs(*scratch)
+            warm_up_graphs(compiled, *scratch)
+        write_precompiled(path, compiled.serialized)
         return compiled
 
-    @staticmethod
-    def _run_compiled_decode(compiled, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                             stance: str = "eager_on_recompile") -> torch.Tensor:
-        """Two graphs, compiled by the warm-up (`stance` "default" there): one request (sizes of 1 are always
-        specialised) and small batches. The batch graph is guarded on the row counts where quantized layers switch kernels (e.g. int4 dequantizes
-        from 96 rows); a batch beyond them runs eagerly instead of compiling more graphs mid-serving (where the
-        per-op overhead matters less anyway). The block-table width and the batch size are marked dynamic
-        explicitly, the same way on every call (the marks are part of what the graphs are guarded on)."""
-        if block_tables.shape[1] == 1:  # width 1 would be specialised too: pad with an unread block
-            block_tables = torch.cat([block_tables, block_tables], dim=1)
-        torch._dynamo.maybe_mark_dynamic(block_tables, 1)
-        if input_ids.shape[0] > 1:
-            for t in (input_ids, positions, slot_mapping, block_tables, seq_lens):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch.compiler.set_stance(stance):
-            return compiled(input_ids, positions, slot_mapping, block_tables, seq_lens)
+    def _load_graphs(self, serialized: dict[str, bytes], path: Path) -> CompiledDecode:
+        start = time.perf_counter()
+        compiled = load_graphs(serialized)
+        loaded = time.perf_counter()
+        warm_up_graphs(compiled, self.model, self.attention, self.scratch_block, self.block_size)
+        logger.info("decode graphs loaded from %s in %.1f s (no tracing), first calls %.1f s", path.name,
+                    loaded - start, time.perf_counter() - loaded)
+        return compiled
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """The model over one decode token per request (what gets compiled)."""
+        """The model over one decode token per request (what CUDA graphs capture; compiled_decode.decode_step)."""
         return self.model(input_ids, positions, self.attention.decode_metadata(slot_mapping, block_tables, seq_lens))
 
     def sample(self, plan: StepPlan, logits: torch.Tensor | None,
@@ -425,37 +403,12 @@ def stop_warm_ups() -> None:
         runner.stop_warm_up()
 
 
-def vector_width_option() -> dict[str, int]:
-    """Inductor's vector width for CPU code, as it would pick it (ATEN_CPU_CAPABILITY, else the CPU's widest), set
-    explicitly: its compile cache is keyed by its configuration but not by that choice, so a process capped at AVX2
-    (INFERNO_CPU_ISA=avx2 with PyTorch's caps) and one that is not shared entries, and an AVX-512 process that loaded
-    a graph compiled for 256-bit vectors corrupted its heap (a malloc abort in the first compiled step)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    width = pick_vec_isa().bit_width()
-    return {"cpp.simdlen": width} if width else {}
-
-
-def skip_module_and_global_guards(entries: list) -> list[bool]:
-    """Dynamo guards worth checking at every compiled decode step: none on the modules (their weights and caches
-    are the same tensors for the runner's lifetime) or on globals (module-level constants)."""
-    modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
-    global_names = torch.compiler.skip_guard_on_globals_unsafe(entries)
-    return [a and b for a, b in zip(modules, global_names)]
-
-
 def lower_thread_priority() -> None:
     """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
     except (AttributeError, OSError):
         pass
-
-
-def with_own_code(method: types.MethodType) -> types.MethodType:
-    """`method` bound to the same object, through a copy of its code object."""
-    f = method.__func__
-    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    return types.MethodType(copy, method.__self__)
 
 
 class SamplingState(Protocol):
