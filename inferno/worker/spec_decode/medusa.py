@@ -17,9 +17,8 @@ from inferno.worker.spec_decode.draft_sampling import sample_drafts
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
 
 
-def build_medusa_heads(folder: MedusaFolder, target: ModelConfig) -> MedusaHeads:
+def build_medusa_heads(folder: MedusaFolder, hidden: int, vocab: int) -> MedusaHeads:
     """The heads of `folder` as a float32 module, checked against the target's hidden and vocabulary sizes."""
-    hidden, vocab = target.hidden_size, target.vocab_size
     bias = any(b is not None for blocks in folder.blocks for _, b in blocks)
     heads = MedusaHeads(folder.num_heads, folder.num_layers, hidden, vocab, folder.lm_heads is not None, bias)
     tensors = {}
@@ -41,7 +40,8 @@ def build_medusa_heads(folder: MedusaFolder, target: ModelConfig) -> MedusaHeads
 
 def load_medusa_heads(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> MedusaHeads:
     """The heads in the model dtype (the target's activations'), on `device`."""
-    return build_medusa_heads(read_medusa_folder(path), target).to(device=device, dtype=dtype)
+    heads = build_medusa_heads(read_medusa_folder(path), target.hidden_size, target.vocab_size)
+    return heads.to(device=device, dtype=dtype)
 
 
 class MedusaProposer:
