@@ -135,7 +135,8 @@ def test_medusa_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, 
                   speculative_config=medusa(smol_heads), **FLOAT32)
     assert token_ids(chunked, prompts, greedy()) == reference
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
-    cramped = LLM(model_path, kv_cache_memory=8 * block_bytes, speculative_config=medusa(smol_heads), **FLOAT32)
+    # 10 blocks: the prompts fit, their outputs do not
+    cramped = LLM(model_path, kv_cache_memory=10 * block_bytes, speculative_config=medusa(smol_heads), **FLOAT32)
     assert token_ids(cramped, prompts, greedy()) == reference
     assert cramped.llm_engine.scheduler.num_preemptions > 0
 
