@@ -131,12 +131,10 @@ def test_greedy_with_medusa_heads_matches_plain_decoding_alone_and_in_batch(medu
 
 def test_medusa_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, model_path, smol_heads, prompts,
                                                                            reference):
-    chunked = LLM(model_path, kv_cache_memory=64 << 20, max_num_batched_tokens=32,
-                  speculative_config=medusa(smol_heads), **FLOAT32)
-    assert token_ids(chunked, prompts, greedy()) == reference
+    """Prompts cut into chunks of 32 tokens, and 10 KV blocks: the prompts fit, their outputs do not."""
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
-    # 10 blocks: the prompts fit, their outputs do not
-    cramped = LLM(model_path, kv_cache_memory=10 * block_bytes, speculative_config=medusa(smol_heads), **FLOAT32)
+    cramped = LLM(model_path, kv_cache_memory=10 * block_bytes, max_num_batched_tokens=32,
+                  speculative_config=medusa(smol_heads), **FLOAT32)
     assert token_ids(cramped, prompts, greedy()) == reference
     assert cramped.llm_engine.scheduler.num_preemptions > 0
 

@@ -41,6 +41,8 @@ def train_draft_heads(llm, prompts: list[dict], output: str | Path, config: Head
                       params: SamplingParams) -> list[float]:
     """Writes the heads' folder to `output`; returns each head's top-1 accuracy on the held-out sequences."""
     sequences = generate_sequences(llm, prompts, params)
+    # recording the hidden states writes the KV cache from block 0 on: no cached prefix may stay there
+    llm.llm_engine.reset_prefix_cache()
     heads, accuracy = llm.llm_engine.executor.train_draft_heads(sequences, config)
     write_medusa_folder(output, heads)
     return accuracy
