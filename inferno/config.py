@@ -108,7 +108,6 @@ HEAD_METHODS = ("medusa",)
 # (n-gram on chat) pause.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # a draft position pays when its chance of acceptance outweighs its cost: the extra row verified for n-gram drafts,
-# that plus a pass of the draft model (a sizeable share of a target step) for a draft model
 # that plus a pass of the draft model (a sizeable share of a target step) for a draft model; Medusa's heads cost
 # a few small matmuls and one LM head pass per draft
 DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = {"ngram": 0.3, "draft_model": 0.5, "medusa": 0.3}
