@@ -34,8 +34,9 @@ class MedusaHeads(nn.Module):
                num_heads: int | None = None) -> torch.Tensor:
         """[heads, T, vocab] float32 logits of the first `num_heads` heads (default all) for normed hidden states
         [T, hidden]."""
-        out = []
-        for j in range(num_heads or self.num_heads):
-            head = self.lm_heads[j] if self.lm_heads is not None else base_lm_head
-            out.append(head(self.blocks[j](hidden)).float())
-        return torch.stack(out)
+        heads = range(num_heads or self.num_heads)
+        if self.lm_heads is not None:
+            return torch.stack([self.lm_heads[j](self.blocks[j](hidden)).float() for j in heads])
+        # one pass of the shared LM head over every head's rows: its weight (most of the cost) is read once
+        shifted = torch.cat([self.blocks[j](hidden) for j in heads])
+        return base_lm_head(shifted).float().view(len(heads), hidden.shape[0], -1)
