@@ -7,26 +7,16 @@ import json
 import pytest
 import torch
 
-from conftest import FLOAT32, assert_all_blocks_free
+from conftest import FLOAT32
 from inferno import LLM, SamplingParams
 from inferno.entrypoints.cli import main
 from inferno.loader.medusa_folder import MedusaFolder, read_medusa_folder, write_medusa_folder
 from inferno.worker.model_runner import kv_bytes_per_block
 from inferno.worker.spec_decode.medusa import build_medusa_heads
+from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
 
-MAX_TOKENS = 16
 NUM_HEADS = 3
 CYCLE = 12  # the cycle model's tokens, each followed by the next
-
-
-def greedy(**params) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **params})
-
-
-def token_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert_all_blocks_free(llm.llm_engine)
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def medusa(folder, **options) -> dict:
@@ -99,22 +89,6 @@ def smol_heads(llm, tmp_path_factory) -> str:
     torch.manual_seed(0)
     return str(write_medusa_folder(tmp_path_factory.mktemp("smol_heads"),
                                    random_heads(config.hidden_size, config.vocab_size, own_lm_heads=False)))
-
-
-@pytest.fixture(scope="module")
-def prompts(llm) -> list[list[int]]:
-    tok = llm.get_tokenizer()
-    story = tok.encode("The old fisherman told stories about the storms he had seen, the fish he had caught and the "
-                       "friends he had lost. Every night he told them again: ")
-    code = tok.encode("def area(width, height):\n    return width * height\n\n\ndef volume(width, height, depth):\n")
-    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]),
-                      add_special_tokens=False)
-    return [story * 2, code, chat]
-
-
-@pytest.fixture(scope="module")
-def reference(llm, prompts) -> list[list[int]]:
-    return token_ids(llm, prompts, greedy())
 
 
 @pytest.fixture(scope="module")
