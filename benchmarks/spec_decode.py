@@ -1,8 +1,8 @@
 """Speculative decoding: tokens/s with and without drafts, at 1 and at --concurrency concurrent requests.
 
 Engines (all loaded first, then measured in turns so that slow drifts of the machine hit every configuration
-alike): the target --target (Qwen2.5-Coder-1.5B) plain, with n-gram and with the draft model --draft
-(Qwen2.5-Coder-0.5B); the default model (SmolLM2-135M) plain and with n-gram. Speculating engines are also measured
+alike): the target --target (Qwen2.5-Coder-1.5B) plain, with n-gram, with the draft model --draft
+(Qwen2.5-Coder-0.5B) and with the speculative heads --heads (--method medusa); the default model (SmolLM2-135M) plain and with n-gram. Speculating engines are also measured
 with their speculation policy changed, to show what it saves: "no batch switch" (disable_by_batch_size None;
 concurrent only, batch 1 is the same) and "policy off" (also draft_acceptance_threshold 0: always
 num_speculative_tokens drafts).
@@ -139,6 +139,12 @@ def engines(args):
             method = f"draft {Path(args.draft).stem}"
             yield name, dict(big, speculative_config=draft), [(method, {}),
                                                               (f"{method}, no batch switch", NO_BATCH_SWITCH)]
+        if args.heads:
+            heads = {"method": args.method, "model": args.heads, "num_speculative_tokens": args.num_head_tokens,
+                     **policy}
+            method = f"{args.method} {Path(args.heads).name}"
+            yield name, dict(big, speculative_config=heads), [(method, {}),
+                                                              (f"{method}, no batch switch", NO_BATCH_SWITCH)]
     if not args.skip_default_model:
         small = dict(dtype=args.dtype, kv_cache_memory=1 << 30, num_threads=args.num_threads)
         yield "SmolLM2-135M", dict(small), [("none", {})]
@@ -173,7 +179,7 @@ def report(rows: list[Measurements], args, repeats_done: int) -> str:
         "run under `flock /tmp/inferno-cpu.lock` (no other benchmark or test suite at the same time)",
         f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}`",
         f"- Greedy, at most {args.max_tokens} new tokens, chat template; n-gram: {args.num_spec_tokens} drafts, "
-        f"lookup 2–4 tokens; draft model: {args.num_draft_tokens} drafts; target and draft in {args.target_dtype} "
+        f"lookup 2–4 tokens; draft model: {args.num_draft_tokens} drafts; heads: {args.num_head_tokens} drafts; target and draft in {args.target_dtype} "
         f"with {args.target_quantization or 'no'} weight quantization, SmolLM2 in {args.dtype}; speculation "
         f"policy: draft_acceptance_threshold "
         f"{'default' if args.draft_acceptance_threshold is None else args.draft_acceptance_threshold}, "
@@ -206,6 +212,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-spec-tokens", type=int, default=5, help="n-gram drafts per step")
     parser.add_argument("--num-draft-tokens", type=int, default=5, help="draft-model drafts per step")
+    parser.add_argument("--method", default="medusa", choices=["medusa"], help="the kind of --heads")
+    parser.add_argument("--heads", default=None, help="a folder of speculative heads for --target (written by "
+                                                      "`inferno train-draft-heads`, benchmarks/draft_head_prompts.py)")
+    parser.add_argument("--num-head-tokens", type=int, default=3, help="drafts per step from --heads (at most "
+                                                                       "its number of heads)")
     parser.add_argument("--draft-acceptance-threshold", type=float, default=None, help="default: the config's")
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=2)

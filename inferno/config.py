@@ -99,15 +99,18 @@ class ModelConfig:
         return self.sliding_window if self.sliding_layers is None or all(self.sliding_layers) else None
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "medusa")
+# methods whose "model" is a folder of heads over the target's own hidden states (no second model)
+HEAD_METHODS = ("medusa",)
 # defaults of the speculation policy (benchmarks/spec_decode.py): batch 1 verifies a few extra tokens almost for
 # free, while in a large batch a step's cost grows with its tokens (the matmuls are compute-bound there), so
 # verifying drafts costs more throughput than the accepted tokens bring. Requests whose drafts are mostly rejected
 # (n-gram on chat) pause.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # a draft position pays when its chance of acceptance outweighs its cost: the extra row verified for n-gram drafts,
-# that plus a pass of the draft model (a sizeable share of a target step) for a draft model
-DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = {"ngram": 0.3, "draft_model": 0.5}
+# that plus a pass of the draft model (a sizeable share of a target step) for a draft model; Medusa's heads cost
+# a few small matmuls and one LM head pass per draft
+DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = {"ngram": 0.3, "draft_model": 0.5, "medusa": 0.3}
 
 
 @dataclass(slots=True)
@@ -128,11 +131,11 @@ class SpeculativeConfig:
     Neither changes what is generated: the output is the target's distribution (greedy: the same tokens) whatever
     the number of drafts, though a seeded sampled request's tokens depend on it.
     """
-    method: str  # "ngram" (prompt lookup) | "draft_model"
+    method: str  # "ngram" (prompt lookup) | "draft_model" | "medusa" (heads on the target's hidden states)
     num_speculative_tokens: int
     prompt_lookup_min: int  # ngram: shortest suffix to look up
     prompt_lookup_max: int  # ngram: longest suffix to look up
-    model: str | None  # draft_model: GGUF file or HF folder sharing the target's tokenizer
+    model: str | None  # draft_model: GGUF file or HF folder sharing the target's tokenizer; medusa: the heads' folder
     disable_by_batch_size: int | None
     draft_acceptance_threshold: float
 
@@ -163,8 +166,11 @@ class SpeculativeConfig:
         model = config.get("model")
         if method == "draft_model" and not (isinstance(model, str) and model):
             raise ValueError("speculative_config with method 'draft_model' needs 'model': a GGUF file or HF folder")
+        if method in HEAD_METHODS and not (isinstance(model, str) and model):
+            raise ValueError(f"speculative_config with method {method!r} needs 'model': the heads' folder (written "
+                             f"by `inferno train-draft-heads`, or a downloaded one)")
         if method == "ngram" and model is not None:
-            raise ValueError("speculative_config 'model' is only used with method 'draft_model'")
+            raise ValueError("speculative_config 'model' is not used with method 'ngram'")
         disable = config.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if disable is not None and not _is_positive_int(disable):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, "
@@ -309,6 +315,10 @@ class EngineConfig:
         if self.quantization == "w8a8" and draft:
             raise ValueError("quantization='w8a8' with a draft model is not supported (the draft would need its "
                              "own calibration); use method 'ngram' or another quantization")
+        if (self.speculative_config is not None and self.speculative_config.method in HEAD_METHODS
+                and self.tensor_parallel_size > 1):
+            raise ValueError("speculative heads run on rank 0 with the target's LM head, which tensor parallelism "
+                             "splits: use pipeline_parallel_size instead of tensor_parallel_size")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
         self._verify_kv_transfer()

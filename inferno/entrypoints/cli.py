@@ -1,5 +1,5 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come; `inferno serve`;
-`inferno calibrate` (SmoothQuant factors for quantization w8a8)."""
+`inferno calibrate` (SmoothQuant factors for quantization w8a8); `inferno train-draft-heads` (Medusa heads)."""
 import argparse
 import json
 import logging
@@ -14,11 +14,13 @@ with gc_paused(freeze=True):  # importing torch and inferno builds objects as lo
     from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES,
                                 PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, RUNNERS,
                                 EngineConfig, SpeculativeConfig)
+    from inferno.core.head_training import HeadTrainingConfig
     from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
     from inferno.engine.input_processor import PromptType
     from inferno.engine.llm_engine import LLMEngine
     from inferno.entrypoints.env import run_env
     from inferno.entrypoints.llm import LLM
+    from inferno.entrypoints.train_draft_heads import read_prompts, train_draft_heads
     from inferno.sampling_params import RequestOutputKind, SamplingParams
     from inferno.server.cli_args import add_server_args, server_config
 
@@ -71,8 +73,9 @@ ENGINE_FLAGS: dict[str, dict] = {
     "speculative_config": dict(type=speculative_config, help=(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
-        '"num_speculative_tokens": 4}\'; policy keys "disable_by_batch_size" (default 4, null: never) and '
-        '"draft_acceptance_threshold" (default 0.3 for ngram, 0.5 for draft_model; 0: off)')),
+        '"num_speculative_tokens": 4}\' or \'{"method": "medusa", "model": "heads/", "num_speculative_tokens": 3}\'; '
+        'policy keys "disable_by_batch_size" (default 4, null: never) and '
+        '"draft_acceptance_threshold" (default 0.3 for ngram and medusa, 0.5 for draft_model; 0: off)')),
     "kv_role": dict(choices=KV_ROLES, help="disaggregated serving: prefill instances compute prompts, decode instances "
                                            "pull their KV cache and decode (put `inferno proxy` in front)"),
     "kv_host": dict(help="prefill: the address decode instances reach its KV cache at (default: 127.0.0.1)"),
@@ -221,6 +224,44 @@ def run_calibrate(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def run_train_draft_heads(args: argparse.Namespace) -> None:
+    config = HeadTrainingConfig(args.method, args.num_heads, args.num_layers, args.epochs, args.learning_rate,
+                                args.batch_size, args.held_out_fraction, args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    prompts = read_prompts(args.prompts)
+    llm = LLM(args.model, enforce_eager=True, num_threads=args.num_threads, kv_cache_memory=args.kv_cache_memory)
+    try:
+        accuracy = train_draft_heads(llm, prompts, args.output, config, params)
+    finally:
+        llm.llm_engine.shutdown()
+    print(f"wrote {args.output}; held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in accuracy)}")
+
+
+def add_train_draft_heads(commands) -> None:
+    train = commands.add_parser("train-draft-heads", help="distil speculative heads (Medusa) from a model on "
+                                                          "prompts it continues itself")
+    train.add_argument("model", help="GGUF file or Hugging Face folder: the target the heads will draft for")
+    train.add_argument("--method", default="medusa", choices=["medusa"])
+    train.add_argument("--prompts", required=True, help='JSON lines: {"prompt": "..."} or {"messages": [...]}')
+    train.add_argument("--output", "-o", required=True, help="the heads' folder to write")
+    defaults = HeadTrainingConfig()
+    train.add_argument("--num-heads", type=int, default=defaults.num_heads,
+                       help="heads, so drafts per step at most (head j predicts j + 2 tokens ahead)")
+    train.add_argument("--num-layers", type=int, default=defaults.num_layers, help="residual blocks per head")
+    train.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt")
+    train.add_argument("--temperature", type=float, default=0.0,
+                       help="of the generated continuations (0: greedy, what greedy serving will see)")
+    train.add_argument("--epochs", type=int, default=defaults.epochs)
+    train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="positions per optimizer step")
+    train.add_argument("--held-out-fraction", type=float, default=defaults.held_out_fraction,
+                       help="of the prompts, never trained on: where the accuracy shown is measured")
+    train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache for the generation")
+    train.add_argument("--num-threads", type=int, default=None)
+    train.set_defaults(func=run_train_draft_heads)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="inferno", description="LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -265,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                            help="UTF-8 text to calibrate on (repeatable; default: a built-in sample)")
     calibrate.add_argument("--num-threads", type=int, default=None)
     calibrate.set_defaults(func=run_calibrate)
+    add_train_draft_heads(commands)
     env = commands.add_parser("env", help="print the versions, CPU, kernel library and caches a bug report needs")
     env.set_defaults(func=lambda args: run_env())
     args = parser.parse_args(argv)

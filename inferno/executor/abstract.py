@@ -4,7 +4,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from inferno.core.head_training import HeadTrainingConfig, TrainingSequence
 from inferno.core.scheduler_output import DraftOutput, DraftRequest, ModelRunnerOutput, SchedulerOutput
+from inferno.loader.medusa_folder import MedusaFolder
 from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
 
@@ -35,6 +37,12 @@ class Executor(ABC):
     @abstractmethod
     def calibrate_activations(self, sequences: list[list[int]], smoothing: float | None) -> dict[str, torch.Tensor]:
         """Per decoder projection: its SmoothQuant factors."""
+
+    def train_draft_heads(self, sequences: list[TrainingSequence], config: HeadTrainingConfig
+                          ) -> tuple[MedusaFolder, list[float]]:
+        """Speculative heads distilled from the model on `sequences`, and each head's held-out top-1 accuracy."""
+        raise ValueError("training draft heads runs on one process: use tensor_parallel_size and "
+                         "pipeline_parallel_size 1")
 
     def wait_for_warm_up(self, timeout: float | None = None) -> bool:
         """Block until rank 0's background warm-up (tiles, compiled decode step) is over, at most `timeout` seconds;

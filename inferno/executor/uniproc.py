@@ -2,10 +2,13 @@
 import torch
 
 from inferno.config import EngineConfig
+from inferno.core.head_training import HeadTrainingConfig, TrainingSequence
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.executor.abstract import Executor
 from inferno.worker.calibration import calibrate_activations
+from inferno.loader.medusa_folder import MedusaFolder
 from inferno.worker.input_batch import StepInput
+from inferno.worker.spec_decode.head_training import train_medusa_heads
 from inferno.worker.worker import Worker
 
 
@@ -23,6 +26,10 @@ class UniProcExecutor(Executor):
 
     def calibrate_activations(self, sequences: list[list[int]], smoothing: float | None) -> dict[str, torch.Tensor]:
         return calibrate_activations(self.model_runner, sequences, smoothing)
+
+    def train_draft_heads(self, sequences: list[TrainingSequence], config: HeadTrainingConfig
+                          ) -> tuple[MedusaFolder, list[float]]:
+        return train_medusa_heads(self.model_runner, sequences, config, self.model_path)
 
     def is_healthy(self) -> bool:
         return True

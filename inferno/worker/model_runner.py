@@ -72,6 +72,11 @@ class ModelRunner:
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # every request the scheduler has not finished
+        # rank 0, for proposers that read the target's hidden states (Medusa heads): request id -> (position, final
+        # hidden state there, before the final norm) of each request's last accepted position in the last step.
+        # None (the default) keeps nothing.
+        self.draft_hidden: dict[str, tuple[int, torch.Tensor]] | None = None
+        self._logit_hidden: torch.Tensor | None = None  # the last step's logit rows' hidden states, while kept
         keep_freed_memory()
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
@@ -246,13 +251,16 @@ class ModelRunner:
             batches = [mb for mb in step.micro_batches if mb.output_rows]
             outputs = run_first_stage(self.forward, step, self.parallel, self.config.hidden_size, self.dtype,
                                       self.device)
-        logits, pooling = [], []
+        logits, pooling, logit_hidden = [], [], []
         # with stages, each micro-batch's logits as it comes back (the generator first: it ends by waiting on its sends)
         for hidden, mb in zip(outputs, batches):
             if mb.logit_rows:
-                logits.append(self.model.compute_logits(hidden[:len(mb.logit_rows)]))
+                logit_hidden.append(hidden[:len(mb.logit_rows)])
+                logits.append(self.model.compute_logits(logit_hidden[-1]))
             pooling.append(hidden[len(mb.logit_rows):])
         logits = torch.cat(logits) if logits and logits[0] is not None else None
+        if self.draft_hidden is not None:
+            self._logit_hidden = torch.cat(logit_hidden) if logit_hidden else None
         return logits, torch.cat(pooling) if step.num_pooling_rows else None
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -363,6 +371,8 @@ class ModelRunner:
                         out.logprobs[req.request_id] = (ids[i][:k], values[i][:k], ranks[i])
         if plan.spec_requests:
             self._verify_drafts(plan, logits, out, bitmasks)
+        if self.draft_hidden is not None:
+            self._keep_draft_hidden(plan, out)
         for req, rows, targets in plan.prompt_logprob_rows:
             logprobs = logits[rows].log_softmax(dim=-1)
             result = gather_logprobs(logprobs, torch.tensor(targets, device=self.device),
@@ -370,6 +380,20 @@ class ModelRunner:
             out.prompt_logprobs.setdefault(req.request_id, []).extend(zip(
                 result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_ranks.tolist()))
         return out
+
+    def _keep_draft_hidden(self, plan: StepPlan, out: ModelRunnerOutput) -> None:
+        """`draft_hidden` for the requests that emitted tokens this step (the only ones drafting after it): the
+        hidden state of the position whose logits gave their last token."""
+        rows, kept = list(plan.sample_rows), [(r.request_id, r.num_tokens - 1) for r in plan.sample_requests]
+        first = 0
+        for req, drafts in zip(plan.spec_requests, plan.spec_token_ids):
+            num_accepted = len(out.sampled_token_ids[req.request_id]) - 1
+            rows.append(plan.spec_rows[first + num_accepted])
+            kept.append((req.request_id, req.num_tokens - 1 + num_accepted))
+            first += len(drafts) + 1
+        hidden = self._logit_hidden[torch.tensor(rows, dtype=torch.long, device=self.device)] if rows else None
+        self.draft_hidden = {rid: (position, hidden[i]) for i, (rid, position) in enumerate(kept)}
+        self._logit_hidden = None
 
     def _verify_drafts(self, plan: StepPlan, logits: torch.Tensor, out: ModelRunnerOutput,
                        bitmasks: dict[str, torch.Tensor]) -> None:

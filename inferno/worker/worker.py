@@ -16,6 +16,7 @@ from inferno.worker.kv_connector import KVConnector
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
 from inferno.worker.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
+from inferno.worker.spec_decode.medusa import MedusaProposer, load_medusa_heads
 from inferno.worker.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("inferno")
@@ -92,6 +93,9 @@ class Worker:
         self.proposer = None  # rank 0, which samples, proposes the drafts
         if draft is not None:
             self.proposer = DraftModelProposer(draft, config, self.num_blocks, self.model_runner.requests, self.device)
+        elif parallel.rank == 0 and spec is not None and spec.method == "medusa":
+            heads = load_medusa_heads(spec.model, loaded.config, config.torch_dtype, self.device)
+            self.proposer = MedusaProposer(heads, self.model_runner)
         elif parallel.rank == 0 and spec is not None:
             self.proposer = NgramProposer(spec)
 

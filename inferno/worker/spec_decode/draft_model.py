@@ -16,12 +16,12 @@ import torch
 
 from inferno.config import EngineConfig, ModelConfig, SpeculativeConfig
 from inferno.core.scheduler_output import DraftOutput
-from inferno.layers.sampler import process_logits, random_sample
 from inferno.loader.model_loader import load_model
 from inferno.model.llama import LlamaForCausalLM
 from inferno.worker.input_batch import TokenChunk, lay_out_chunks
-from inferno.worker.model_runner import ModelRunner, sampling_metadata
+from inferno.worker.model_runner import ModelRunner
 from inferno.worker.request_state import CachedRequestState
+from inferno.worker.spec_decode.draft_sampling import sample_drafts
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
 
 
@@ -114,10 +114,4 @@ class DraftModelProposer:
         from (None when every request is greedy)."""
         mb = lay_out_chunks(chunks, self.block_size)
         logits = self.runner.model.compute_logits(self.runner.forward(mb)[mb.logit_rows])
-        md = sampling_metadata(rows, self.vocab_size, device=self.runner.device)
-        logits, greedy = process_logits(logits, md)
-        if md.all_greedy:
-            return greedy.tolist(), None
-        q = logits.softmax(dim=-1)
-        sampled = torch.where(md.temperature > 0, random_sample(q.clone(), md.generators), greedy)
-        return sampled.tolist(), q
+        return sample_drafts(logits, rows, self.vocab_size, self.runner.device)

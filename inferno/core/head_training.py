@@ -1,0 +1,33 @@
+"""What `inferno train-draft-heads` asks the worker for: speculative heads distilled from the target itself."""
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class HeadTrainingConfig:
+    method: str = "medusa"
+    num_heads: int = 3  # Medusa: head j predicts the token j + 2 positions ahead
+    num_layers: int = 1  # residual blocks per head
+    epochs: int = 4
+    learning_rate: float = 1e-3
+    batch_size: int = 256  # positions per optimizer step
+    held_out_fraction: float = 0.1  # of the sequences (at least one), never trained on: the accuracy reported
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method != "medusa":
+            raise ValueError(f"train-draft-heads trains method 'medusa' heads, got {self.method!r}")
+        for name in ("num_heads", "epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be at least 0, got {self.num_layers}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+        if not 0 < self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
+
+
+@dataclass(slots=True)
+class TrainingSequence:
+    token_ids: list[int]  # a prompt and the target's continuation of it
+    num_prompt_tokens: int  # heads learn the continuation: positions from the prompt's last token on
