@@ -14,6 +14,7 @@ from conftest import assert_all_blocks_free
 from inferno import LLM, LoRARequest, SamplingParams
 from inferno.config import EngineConfig
 from inferno.core.kv_blocks import hash_block
+from inferno.layers.lora import LoRAStack
 from inferno.layers.quantization.linear import QuantizedLinear
 from inferno.request import Request
 from native_kernels import needs_kernels
@@ -252,15 +253,28 @@ def test_misuse_is_refused_with_a_clear_error(models, llama_llm):
 
 
 @needs_kernels
-def test_compiled_decode_runs_adapters_without_recompiling(models, llama_llm):
+def test_compiled_decode_runs_adapters_without_recompiling(models, llama_llm, monkeypatch):
     """Decode steps with adapters run a graph of their own, compiled by the warm-up; other adapters, other slots and
     other batch sizes recompile nothing (the stacks are buffers written in place, the slots an input)."""
-    compiled = LLM(str(models["bases"]["llama"][0]), max_loras=2, **{**LLAMA_ARGS, "enforce_eager": False})
+    compiled = LLM(str(models["bases"]["llama"][0]), max_loras=2,
+                   **{**LLAMA_ARGS, "enforce_eager": False, "enable_prefix_caching": False})
     assert compiled.llm_engine.model_runner.wait_for_warm_up()
-    graphs = counters["stats"]["unique_graphs"]
     adapters = [models["adapters"][name][0] for name in ("all", "attn_rslora", "mlp")]
-    for loras in ([adapters[0]], [None, adapters[0]], adapters[1:], [adapters[2], None, adapters[1]]):
-        for ref, out in zip(completions(llama_llm, loras), completions(compiled, loras)):
+    batches = ([adapters[0]], [None, adapters[0]], adapters[1:], [adapters[2], None, adapters[1]])
+    references = [completions(llama_llm, loras) for loras in batches]
+    graphs = counters["stats"]["unique_graphs"]
+    eager_products = []  # the stacks' Python forward runs only in eager steps
+    forward = LoRAStack.forward
+
+    def counted_forward(self, x, mapping):
+        eager_products.append(x.shape[0])
+        return forward(self, x, mapping)
+
+    monkeypatch.setattr(LoRAStack, "forward", counted_forward)
+    for loras, reference in zip(batches, references):
+        for ref, out in zip(reference, completions(compiled, loras)):
             assert_same_completion(ref, out)
     assert counters["stats"]["unique_graphs"] == graphs
+    # per batch one eager step, its prefill, in 2 layers x 4 stacks; every decode step ran compiled
+    assert len(eager_products) == len(batches) * 8
     assert_all_blocks_free(compiled.llm_engine)
