@@ -41,7 +41,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}, max_loras {args.max_loras}, rank {args.rank}; microseconds per product (fastest run)")
+    print(f"threads {args.threads}, max_loras {args.max_loras}, rank {args.rank}; "
+          "microseconds per product (fastest run)")
     print(f"{'projection':>10} {'rows':>5} {'adapters':>8} {'masked':>9} {'segmented':>9} {'gathered':>9}")
     for name, (in_features, slices) in PROJECTIONS.items():
         stack = LoRAStack(in_features, slices, args.max_loras + 1, args.rank, torch.float32, torch.device("cpu"))
