@@ -1,7 +1,6 @@
 """LoRA adapters served on one base model, with PEFT (over HF transformers) as the oracle: tiny random llama and qwen3
 bases, adapters made by `get_peft_model` with random non-zero B matrices (different ranks and target modules, one
 with rsLoRA's scale), saved with `save_pretrained`."""
-import asyncio
 import copy
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from inferno.layers.lora import LoRAStack
 from inferno.layers.quantization.linear import QuantizedLinear
 from inferno.request import Request
 from native_kernels import needs_kernels
+from test_server_async_llm import run
 from tiny_models import write_gguf, write_hf_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -204,16 +204,7 @@ def test_async_llm_adds_lists_and_removes_adapters(models, llama_llm):
         assert await async_llm.remove_lora(lora.lora_int_id)
         assert lora.lora_int_id not in await async_llm.list_loras()
 
-    async def main() -> None:
-        async_llm = AsyncLLM(engine)
-        async_llm.start()
-        try:
-            await scenario(async_llm)
-        finally:
-            await asyncio.to_thread(async_llm.shutdown)
-
-    asyncio.run(main())
-    assert_all_blocks_free(engine)
+    run(engine, scenario)  # the engine thread started and stopped around it; every block free after
 
 
 def bad_adapter(models, tmp_path, kind: str) -> str:
