@@ -32,8 +32,10 @@ class MLP(nn.Module):
         self.down_lora: LoRAStack | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
-        gate_up = add_lora(self.gate_up_proj(x), x, self.gate_up_lora, lora)
-        h = self.gated_activation(gate_up)
+        gate_up = self.gate_up_proj(x)
+        if lora is None:
+            return self.down_proj(self.gated_activation(gate_up))
+        h = self.gated_activation(add_lora(gate_up, x, self.gate_up_lora, lora))
         return add_lora(self.down_proj(h), h, self.down_lora, lora)
 
     def gated_activation(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta, lora: LoRAMapping | None = None) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = add_lora(self.qkv_proj(x), x, self.qkv_lora, lora)
+        qkv = self.qkv_proj(x)
+        if lora is not None:  # checked here: a call per projection would cost every base step too
+            qkv = add_lora(qkv, x, self.qkv_lora, lora)
         if self.q_norm is not None and self.q_norm.weight.shape[0] != self.head_dim:  # norms over all heads
             q, k, v = qkv.split([self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
@@ -67,7 +69,8 @@ class SelfAttention(nn.Module):
             qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         attended = self.attn(q, k, v, meta)
-        return add_lora(self.o_proj(attended), attended, self.o_lora, lora)
+        out = self.o_proj(attended)
+        return out if lora is None else add_lora(out, attended, self.o_lora, lora)
 
 
 class DecoderLayer(nn.Module):
