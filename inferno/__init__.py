@@ -18,6 +18,7 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "inferno.outputs",
     "EmbeddingOutput": "inferno.outputs",
     "PoolingParams": "inferno.pooling_params",
+    "LoRARequest": "inferno.lora_request",
 }
 __all__ = list(_EXPORTS)
 

@@ -7,6 +7,7 @@ import torch
 from inferno.core.head_training import HeadTrainingConfig, TrainingSequence
 from inferno.core.scheduler_output import DraftOutput, DraftRequest, ModelRunnerOutput, SchedulerOutput
 from inferno.loader.medusa_folder import MedusaFolder
+from inferno.lora_request import LoRARequest
 from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
 
@@ -29,6 +30,14 @@ class Executor(ABC):
     def propose_drafts(self, wanted: list[DraftRequest]) -> DraftOutput:
         """Rank 0 alone proposes (a draft model runs whole there)."""
         return self.worker.propose_drafts(wanted)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check a LoRA adapter against the model (ValueError if it does not fit); False if held already.
+        LoRA runs on one rank (EngineConfig refuses it with several)."""
+        return self.model_runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.model_runner.lora.remove(lora_int_id)
 
     @abstractmethod
     def run_step(self, step: StepInput) -> torch.Tensor | None:

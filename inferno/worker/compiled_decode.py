@@ -1,4 +1,4 @@
-"""The CPU decode step compiled ahead of time: two graphs (one sequence; small batches) captured by dynamo and built
+"""The CPU decode step compiled ahead of time: two graphs (one sequence; small batches; two more with LoRA adapters) captured by dynamo and built
 by inductor once (`torch.compile(...).aot_compile`), then saved as a precompiled artifact, so a later start loads
 them without tracing the model, building guards or looking anything up in inductor's caches.
 
@@ -18,13 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferno.layers.lora import LoRAMapping, LoRAStack
 from inferno.worker.compile_cache import compile_cache_hits
 
 logger = logging.getLogger("inferno")
 
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-# the two graphs: a batch of one is always specialised by dynamo; any other batch size is a symbol
-GRAPHS = {"one sequence": 1, "batches": 2}
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+# the graphs, by name: (batch size they are traced with, whether their rows run LoRA adapters). A batch of one is
+# always specialised by dynamo; any other batch size is a symbol. A model with LoRA stacks (model/lora.py) gets two
+# more, whose steps name each row's adapter slot (an input: changing adapters recompiles nothing).
+GRAPHS = {"one sequence": (1, False), "batches": (2, False)}
+LORA_GRAPHS = {"one sequence with LoRA adapters": (1, True), "batches with LoRA adapters": (2, True)}
 # traces of one graph at most, where floats are specialised one by one (aot_compile)
 MAX_RESTARTS = 8
 # the phases of a compile logged, by dynamo's timers (torch._dynamo.utils.compilation_time_metrics); the rest of it
@@ -33,9 +37,15 @@ PHASES = {"inductor": "compile_fx.<locals>.fw_compiler_base", "cpp": "PyCodeCach
 
 
 def decode_step(model: torch.nn.Module, attention, input_ids: torch.Tensor, positions: torch.Tensor,
-                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """The model over one decode token per request (what gets compiled)."""
-    return model(input_ids, positions, attention.decode_metadata(slot_mapping, block_tables, seq_lens))
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The model over one decode token per request (what gets compiled); `lora_slots`: each row's adapter slot."""
+    lora = None if lora_slots is None else LoRAMapping(lora_slots)
+    return model(input_ids, positions, attention.decode_metadata(slot_mapping, block_tables, seq_lens), lora=lora)
+
+
+def graphs_of(model: torch.nn.Module) -> dict[str, tuple[int, bool]]:
+    return GRAPHS | (LORA_GRAPHS if any(isinstance(m, LoRAStack) for m in model.modules()) else {})
 
 
 def compile_options() -> dict:
@@ -56,12 +66,12 @@ def vector_width_option() -> dict[str, int]:
     return {"cpp.simdlen": width} if width else {}
 
 
-def scratch_inputs(batch: int, scratch_block: int, block_size: int) -> Inputs:
+def scratch_inputs(batch: int, scratch_block: int, block_size: int, lora: bool = False) -> Inputs:
     """A decode step of `batch` rows that writes only the scratch block (three-block tables: equal sizes would be
-    tied together by dynamo)."""
+    tied together by dynamo); with `lora`, every row on slot 0 (no adapter: the products stay zero)."""
     return (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
             torch.full((batch,), scratch_block * block_size), torch.full((batch, 3), scratch_block),
-            torch.ones(batch, dtype=torch.long))
+            torch.ones(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long) if lora else None)
 
 
 @dataclass
@@ -73,14 +83,16 @@ class CompiledDecode:
     serialized: dict[str, bytes] = field(default_factory=dict, repr=False)  # for the compile cache, once
 
     def run(self, model: torch.nn.Module, attention, input_ids: torch.Tensor, positions: torch.Tensor,
-            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            lora_slots: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's hidden states from the graph for its batch size; None where its guards fail (a batch beyond
         the row counts where quantized layers switch kernels, e.g. int4 dequantizes from 96 rows): the caller runs
         it eagerly instead of compiling more graphs mid-serving."""
         if block_tables.shape[1] == 1:  # width 1 would be specialised: pad with an unread block
             block_tables = torch.cat([block_tables, block_tables], dim=1)
-        graph = self.graphs["one sequence" if input_ids.shape[0] == 1 else "batches"]
-        args = (model, attention, input_ids, positions, slot_mapping, block_tables, seq_lens)
+        name = "one sequence" if input_ids.shape[0] == 1 else "batches"
+        graph = self.graphs[name if lora_slots is None else f"{name} with LoRA adapters"]
+        args = (model, attention, input_ids, positions, slot_mapping, block_tables, seq_lens, lora_slots)
         if not graph.guard_check(*args):
             self.num_eager_steps += 1
             return None
@@ -94,12 +106,13 @@ def compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=None,
                              options={"guard_filter_fn": serializable_step_guards, **compile_options()})
     graphs, serialized = {}, {}
-    for name, batch in GRAPHS.items():
-        inputs = scratch_inputs(batch, scratch_block, block_size)
+    for name, (batch, lora) in graphs_of(model).items():
+        inputs = scratch_inputs(batch, scratch_block, block_size, lora)
         torch._dynamo.maybe_mark_dynamic(inputs[3], 1)
         if batch > 1:
             for t in inputs:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         start, hits, before = time.perf_counter(), compile_cache_hits(), phase_seconds()
         graph = aot_compile(compiled, (model, attention, *inputs))
         seconds = time.perf_counter() - start
@@ -138,7 +151,7 @@ def load_graphs(serialized: dict[str, bytes]) -> CompiledDecode:
     # the guards' state names the native operators' namespace as a module, which unpickling imports by name
     sys.modules.setdefault("torch.ops.inferno", torch.ops.inferno)
     graphs = {}
-    for name in GRAPHS:
+    for name in serialized:
         graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
         graphs[name].disable_guard_check()
     return CompiledDecode(graphs)
@@ -148,9 +161,9 @@ def warm_up_graphs(compiled: CompiledDecode, model: torch.nn.Module, attention, 
                    block_size: int) -> None:
     """Each graph run once on the scratch block (its library loaded, its first-call work done before serving); raises
     where a graph fails or does not take the step it was made for."""
-    for name, batch in GRAPHS.items():
+    for name, (batch, lora) in graphs_of(model).items():
         for rows in (batch,) if batch == 1 else (batch, batch + 1):  # the batch graph: any size
-            if compiled.run(model, attention, *scratch_inputs(rows, scratch_block, block_size)) is None:
+            if compiled.run(model, attention, *scratch_inputs(rows, scratch_block, block_size, lora)) is None:
                 raise RuntimeError(f"the compiled decode graph for {name} rejects a step of {rows} rows")
     compiled.num_compiled_steps = 0
 

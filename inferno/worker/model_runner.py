@@ -19,6 +19,7 @@ from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
+from inferno.layers.lora import LoRAMapping
 from inferno.layers.quantization.linear import QuantizedLinear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
@@ -33,6 +34,7 @@ from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.huge_pages import move_weights_to_huge_pages
 from inferno.worker.kv_cache import available_memory, lazily_zeroed
+from inferno.worker.lora_manager import LoRAManager
 from inferno.worker.pooler import pool
 from inferno.worker.request_state import CachedRequestState, update_states
 
@@ -78,6 +80,8 @@ class ModelRunner:
         self.draft_hidden: dict[str, tuple[int, torch.Tensor]] | None = None
         self._logit_hidden: torch.Tensor | None = None  # the last step's logit rows' hidden states, while kept
         keep_freed_memory()
+        # LoRA adapters: stacks on the projections (before the warm-up compiles the decode step with them)
+        self.lora = LoRAManager(model, engine_config, device) if engine_config.enable_lora else None
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
         self.compiled_decode: CompiledDecode | None = None
@@ -266,7 +270,8 @@ class ModelRunner:
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
         decodes = mb.decodes
-        if self.decode_graphs is not None and not mb.prefills and hidden is None:
+        lora = self._lora_mapping(mb)
+        if self.decode_graphs is not None and not mb.prefills and hidden is None and lora is None:
             out = self.decode_graphs.run(mb.input_ids, mb.positions, mb.slot_mapping, decodes)
             if out is not None:
                 return out
@@ -278,11 +283,18 @@ class ModelRunner:
             tables = torch.tensor([table + [0] * (width - len(table)) for _, table in decodes], dtype=torch.long)
             seq_lens = torch.tensor([seq_len for seq_len, _ in decodes])
             out = compiled.run(self.model, self.attention, input_ids, positions, torch.tensor(mb.slot_mapping),
-                               tables, seq_lens)
+                               tables, seq_lens, None if lora is None else lora.token_slots)
             if out is not None:
                 return out
         meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills)
-        return self.model(input_ids, positions, meta, hidden)
+        return self.model(input_ids, positions, meta, hidden, lora)
+
+    def _lora_mapping(self, mb: MicroBatch) -> LoRAMapping | None:
+        """The adapter slot of each token of the batch, the adapters put into slots; None without adapters."""
+        if self.lora is None or not any(mb.lora_ids):
+            return None
+        requests = {s.lora_int_id: s.lora_request for s in self.requests.values() if s.lora_request is not None}
+        return self.lora.mapping(mb.lora_ids, requests)
 
     def _compile_decode_step(self) -> None:
         """The warm-up's compile: the decode graphs (worker/compiled_decode.py) loaded from the compile cache, else
@@ -321,7 +333,7 @@ class ModelRunner:
                 logger.exception("the precompiled decode step %s cannot be used; compiling afresh", path)
                 path.unlink(missing_ok=True)
                 clear_compile_cache(folder)  # its libraries may be what broke
-        self._decode_forward(*scratch_inputs(1, self.scratch_block, self.block_size))  # fused_cpu's lazy picks
+        self._decode_forward(*scratch_inputs(1, self.scratch_block, self.block_size)[:5])  # fused_cpu's lazy picks
         hits = compile_cache_hits()
         try:
             compiled = compile_graphs(*scratch)
