@@ -168,7 +168,7 @@ def test_unknown_response_id_gets_404(server, method):
 
 
 def test_unknown_model_gets_model_not_found(server):
-    with pytest.raises(openai.BadRequestError) as raised:
+    with pytest.raises(openai.NotFoundError) as raised:
         server.client().completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
     assert raised.value.code == "model_not_found" and raised.value.param == "model"
 
