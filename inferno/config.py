@@ -246,6 +246,12 @@ class EngineConfig:
     kv_transfer_timeout: float = 30.0  # seconds a transfer may take; a prefill holds unpulled blocks this long
     kv_transfer_fallback: str = "recompute"  # decode, when a pull fails: compute the prompt, or "error"
     runner: str = "generate"  # one of RUNNERS, as vLLM's --runner
+    # LoRA adapters (docs/lora.md): up to max_loras distinct adapters per step, each of rank <= max_lora_rank;
+    # max_cpu_loras kept in memory (default max_loras), the least recently used read again from disk when needed
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -312,6 +318,18 @@ class EngineConfig:
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
         self._verify_kv_transfer()
+        self._verify_lora()
+
+    def _verify_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if not (value is None and name == "max_cpu_loras") and not _is_positive_int(value):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.world_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size or pipeline_parallel_size > 1 "
+                             "yet (the adapters' A/B matrices are not split across ranks)")
 
     def _verify_kv_transfer(self) -> None:
         for name, allowed in (("kv_role", (None, *KV_ROLES)), ("kv_transfer_backend", KV_TRANSFER_BACKENDS),

@@ -7,6 +7,7 @@ import torch
 from inferno.core.kv_blocks import BlockHash
 from inferno.core.kv_transfer import KVTransferParams
 from inferno.core.token_counts import TokenCounts
+from inferno.lora_request import LoRARequest
 from inferno.outputs import PositionLogprobs, RequestMetrics
 from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams
@@ -37,7 +38,8 @@ FINISH_REASONS = {
 class Request(TokenCounts):
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], max_model_len: int, arrival_time: float | None = None,
-                 beam_search_id: str | None = None, pooling_params: PoolingParams | None = None):
+                 beam_search_id: str | None = None, pooling_params: PoolingParams | None = None,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
@@ -72,6 +74,11 @@ class Request(TokenCounts):
         # its sampling_params switch every sampling feature off)
         self.pooling_params = pooling_params
         self.pooled: torch.Tensor | None = None
+        self.lora_request = lora_request  # the LoRA adapter it runs with
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def is_finished(self) -> bool:

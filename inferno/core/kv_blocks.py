@@ -17,7 +17,11 @@ class BlockHash(NamedTuple):
     token_ids: tuple[int, ...]
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
+def hash_block(parent: BlockHash | None, token_ids: list[int], lora_int_id: int = 0) -> BlockHash:
+    """`lora_int_id`: the LoRA adapter the first block was computed with (its K/V differ from the base model's),
+    which every later block inherits through the chain."""
     digest = hashlib.sha256(parent.digest if parent is not None else b"")
+    if parent is None and lora_int_id:
+        digest.update(b"lora" + lora_int_id.to_bytes(8, "little"))
     digest.update(array("q", token_ids).tobytes())
     return BlockHash(digest.digest(), tuple(token_ids))

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferno.lora_request import LoRARequest
 from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams
 
@@ -20,6 +21,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing is sampled
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (read from its path if not held)
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from inferno.engine.scheduler import Scheduler
 from inferno.loader.tokenizer import Tokenizer
 from inferno.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inferno.lora_request import LoRARequest
 from inferno.request import Request, RequestStatus
 from inferno.sampling_params import SamplingParams
 
@@ -31,8 +32,10 @@ class Hypothesis:
 
 class BeamSearch:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], max_model_len: int, arrival_time: float):
+                 eos_token_ids: set[int], max_model_len: int, arrival_time: float,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
+        self.lora_request = lora_request
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -58,7 +61,7 @@ class BeamSearch:
     def _new_request(self, token_ids: list[int]) -> Request:
         request = Request(f"{self.request_id}-beam{self.num_beams_created}", self.prompt_token_ids, self.beam_params,
                           set(), self.max_model_len, self.metrics.arrival_time,
-                          beam_search_id=self.request_id)
+                          beam_search_id=self.request_id, lora_request=self.lora_request)
         request.token_ids = list(token_ids)
         self.num_beams_created += 1
         return request

@@ -17,6 +17,7 @@ from inferno.engine.stop_checker import StopChecker
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.core.startup_gc import gc_paused
 from inferno.executor import ExecutorDeadError, make_executor
+from inferno.lora_request import LoRARequest
 from inferno.openmp import release_thread_pool
 from inferno.outputs import PoolingRequestOutput, RequestOutput
 from inferno.pooling_params import PoolingParams
@@ -65,6 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, stop_checker, self.structured_output,
                                    self.kv_transfers)
         self.beam_searches: dict[str, BeamSearch] = {}
+        self.loras: dict[int, LoRARequest] = {}  # the LoRA adapters added (and not removed), by id
         # the model is loaded: this thread gives its OpenMP workers back, so that the thread which steps the engine
         # (this one again, or AsyncLLM's engine thread, or a caller's) is the only one with a pool (inferno/openmp.py)
         release_thread_pool()
@@ -112,12 +114,43 @@ class LLMEngine:
             return cache_tokens
         return model_len
 
+    # LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read the adapter and check it against the model (ValueError if it does not fit); False if an adapter
+        with its id was added already."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request:
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is adapter {known.lora_name!r} "
+                                 f"({known.lora_path}); remove it first or use another id")
+            return False
+        self.executor.add_lora(lora_request)
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget the adapter; requests already running with it finish with it. False if it was not added."""
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.executor.remove_lora(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras)
+
     # requests in
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """`params`: SamplingParams to generate, PoolingParams for the prompt's embedding."""
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        """`params`: SamplingParams to generate, PoolingParams for the prompt's embedding. `lora_request`: the LoRA
+        adapter to run it with (added first if it was not)."""
         if self.output_processor.has_request(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if self.config.runner == "pooling" and not isinstance(params, PoolingParams):
             raise ValueError("this model runs with runner='pooling': it computes embeddings (LLM.embed, POST "
                              "/v1/embeddings) and generates no text; start it with runner='generate' for that")
@@ -125,7 +158,7 @@ class LLMEngine:
         text, token_ids, params, arrival_time = (request.prompt, request.prompt_token_ids, request.sampling_params,
                                                  request.arrival_time)
         if isinstance(params, PoolingParams):
-            self._add_pooling_request(request_id, text, token_ids, params, arrival_time)
+            self._add_pooling_request(request_id, text, token_ids, params, arrival_time, lora_request)
             return
         kv = params.kv_transfer_params
         if kv is not None:
@@ -135,7 +168,7 @@ class LLMEngine:
             self.kv_transfers.check(params, len(token_ids))
         if params.use_beam_search:
             search = BeamSearch(request_id, text, token_ids, params, self.tokenizer.eos_token_ids,
-                                self.max_model_len, arrival_time)
+                                self.max_model_len, arrival_time, lora_request)
             self.beam_searches[request_id] = search
             self.scheduler.add_request(search.requests[0])
             return
@@ -146,7 +179,7 @@ class LLMEngine:
                 child_params = replace(child_params, prompt_logprobs=None, kv_transfer_params=None)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             req = Request(child_id, token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len,
-                          arrival_time)
+                          arrival_time, lora_request=lora_request)
             if index == 0 and kv is not None and kv.is_remote_prefill:
                 req.remote_prefill = kv
             state.samples.append(SampleState(index, req, IncrementalDetokenizer(self.tokenizer, child_params)))
@@ -158,10 +191,10 @@ class LLMEngine:
             self.scheduler.add_request(sample.request, fork_of=None if sample.index == 0 else leader)
 
     def _add_pooling_request(self, request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,
-                             arrival_time: float) -> None:
+                             arrival_time: float, lora_request: LoRARequest | None = None) -> None:
         """An embedding request: one prompt-only request, which ends with its pooled vector."""
         req = Request(request_id, token_ids, PROMPT_ONLY, set(), self.max_model_len, arrival_time,
-                      pooling_params=params)
+                      pooling_params=params, lora_request=lora_request)
         state = RequestState(request_id, text, token_ids, PROMPT_ONLY)
         state.samples.append(SampleState(0, req, IncrementalDetokenizer(self.tokenizer, PROMPT_ONLY)))
         self.output_processor.add_request(state)

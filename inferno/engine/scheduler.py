@@ -34,6 +34,7 @@ class Scheduler:
         self.worker_view = WorkerView()
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.max_loras = config.max_loras  # distinct LoRA adapters among the running requests (one step's)
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -93,11 +94,13 @@ class Scheduler:
                 if num_drafts > 0:
                     spec_token_ids[req.request_id] = req.spec_token_ids[:num_drafts]
         # waiting requests, first come first served; none while memory is short
-        compiling: list[Request] = []  # passed over: their grammar is not compiled yet
+        passed_over: list[Request] = []  # their grammar is not compiled yet, or their LoRA adapter has no slot
+        loras = {r.lora_int_id for r in self.running} - {0}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            if not self.structured_output.is_ready(req.request_id):
-                compiling.append(self.waiting.popleft())
+            adapter_waits = req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras
+            if adapter_waits or not self.structured_output.is_ready(req.request_id):
+                passed_over.append(self.waiting.popleft())
                 continue
             hits = self.kv_cache_manager.get_computed_blocks(req)
             if req.remote_prefill is not None:  # blocks for the whole prompt; its KV comes from a prefill instance
@@ -114,7 +117,9 @@ class Scheduler:
             self._start(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
+        self.waiting.extendleft(reversed(passed_over))
         return self._scheduler_output(scheduled, spec_token_ids)
 
     def _scheduler_output(self, scheduled: dict[str, int], spec_token_ids: dict[str, list[int]]) -> SchedulerOutput:

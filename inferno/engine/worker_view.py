@@ -18,7 +18,8 @@ class WorkerView:
         self.num_tokens[req.request_id] = req.num_tokens
         self.block_ids[req.request_id] = list(req.block_ids)
         return NewRequestData(req.request_id, req.prompt_token_ids, req.output_token_ids, req.sampling_params,
-                              req.eos_token_ids, list(req.block_ids), req.num_computed_tokens, req.pooling_params)
+                              req.eos_token_ids, list(req.block_ids), req.num_computed_tokens, req.pooling_params,
+                              req.lora_request)
 
     def add_cached(self, req: Request, cached: CachedRequestData) -> None:
         rid = req.request_id

@@ -82,6 +82,11 @@ ENGINE_FLAGS: dict[str, dict] = {
                                      "pulled after this long"),
     "kv_transfer_fallback": dict(choices=KV_TRANSFER_FALLBACKS,
                                  help="decode, when a KV transfer fails: compute the prompt here, or fail the request"),
+    "enable_lora": dict(help="serve LoRA adapters on the base model (docs/lora.md)"),
+    "max_loras": dict(help="LoRA adapters that can run in one step (each has a slot of stacked weights)"),
+    "max_lora_rank": dict(help="the highest LoRA rank accepted (the slots' size)"),
+    "max_cpu_loras": dict(help="LoRA adapters kept in memory beyond the slots (least recently used dropped and "
+                               "read again when needed; default: --max-loras)"),
     "runner": dict(choices=RUNNERS, help="generate: text generation (embeddings on request too); pooling: an "
                                          "embedding model, which only answers /v1/embeddings (docs/embeddings.md)"),
 }

@@ -12,6 +12,7 @@ from inferno.engine.input_processor import ChatMessage, PromptType
 from inferno.engine.llm_engine import LLMEngine
 from inferno.loader.calibration_file import default_calibration_path, write_calibration
 from inferno.loader.tokenizer import Tokenizer
+from inferno.lora_request import LoRARequest
 from inferno.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import RequestOutputKind, SamplingParams
@@ -29,26 +30,35 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter of every prompt, or a list with one per prompt (None: the base model);
+        the engine needs enable_lora=True."""
         sampling_params = sampling_params or SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = replace(sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
         else:
             sampling_params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params]
-        return self._run_requests(prompts, sampling_params, SamplingParams, use_tqdm)
+        return self._run_requests(prompts, sampling_params, SamplingParams, use_tqdm, lora_request)
 
-    def _run_requests(self, prompts: PromptType | Sequence[PromptType], params, kind: type, use_tqdm: bool) -> list:
-        """Add one request per prompt (`params`: one of `kind` for all, or one each) and run them to the end."""
+    def _run_requests(self, prompts: PromptType | Sequence[PromptType], params, kind: type, use_tqdm: bool,
+                      lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list:
+        """Add one request per prompt (`params`: one of `kind` for all, or one each; `lora_request` likewise) and
+        run them to the end."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = [params] * len(prompts) if isinstance(params, kind) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} {kind.__name__}")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         request_ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, p)
+                self.llm_engine.add_request(request_id, prompt, p, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)
@@ -82,6 +92,15 @@ class LLM:
                                 length_penalty=length_penalty, early_stopping=early_stopping, ignore_eos=ignore_eos)
         return self.generate(prompts, params, use_tqdm)
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
+
     def wait_for_warm_up(self, timeout: float | None = None) -> bool:
         """Block until the engine is at full speed: the background warm-up (weights regrouped into tiles, the
         compiled decode step) is over, or `timeout` seconds have passed. True if decode steps now run compiled.
@@ -94,13 +113,14 @@ class LLM:
     def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """`tools`: OpenAI-style tool definitions, for the chat template to list (the reply is text, as in vLLM's
-        `LLM.chat`; the server parses tool calls out of it)."""
+        `LLM.chat`; the server parses tool calls out of it). `lora_request`: as in `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         render = self.llm_engine.input_processor.render_chat
         prompts = [render(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def calibrate(self, output: str | None = None, texts: Sequence[str] | None = None,
                   smoothing: float | None = None) -> Path:

@@ -4,6 +4,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from inferno.lora_request import LoRARequest
 from inferno.core.scheduler_output import DraftOutput, DraftRequest, ModelRunnerOutput, SchedulerOutput
 from inferno.worker.input_batch import StepInput
 from inferno.worker.worker import Worker
@@ -27,6 +28,14 @@ class Executor(ABC):
     def propose_drafts(self, wanted: list[DraftRequest]) -> DraftOutput:
         """Rank 0 alone proposes (a draft model runs whole there)."""
         return self.worker.propose_drafts(wanted)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check a LoRA adapter against the model (ValueError if it does not fit); False if held already.
+        LoRA runs on one rank (EngineConfig refuses it with several)."""
+        return self.model_runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.model_runner.lora.remove(lora_int_id)
 
     @abstractmethod
     def run_step(self, step: StepInput) -> torch.Tensor | None:

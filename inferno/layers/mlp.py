@@ -5,6 +5,7 @@ from torch import nn
 
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.layers.fused_cpu import cpu_fused_ops
+from inferno.layers.lora import LoRAMapping, LoRAStack, add_lora
 from inferno.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -27,15 +28,21 @@ class MLP(nn.Module):
                                            reduce)
         self.act = activation(hidden_act)
         self.silu = hidden_act == "silu"
+        self.gate_up_lora: LoRAStack | None = None  # set when the engine serves LoRA adapters (model/lora.py)
+        self.down_lora: LoRAStack | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        gate_up = add_lora(self.gate_up_proj(x), x, self.gate_up_lora, lora)
+        h = self.gated_activation(gate_up)
+        return add_lora(self.down_proj(h), h, self.down_lora, lora)
+
+    def gated_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.silu and gate_up.is_cuda:  # one Triton kernel
             from inferno.kernels.triton_fused import silu_and_mul
-            return self.down_proj(silu_and_mul(gate_up))
+            return silu_and_mul(gate_up)
         ops = cpu_fused_ops(gate_up) if self.silu and gate_up.is_contiguous() else None
         if ops is not None:  # one native kernel
-            return self.down_proj(ops.silu_and_mul(gate_up.view(-1, gate_up.shape[-1])).view(
-                *gate_up.shape[:-1], gate_up.shape[-1] // 2))
+            return ops.silu_and_mul(gate_up.view(-1, gate_up.shape[-1])).view(
+                *gate_up.shape[:-1], gate_up.shape[-1] // 2)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.act(gate) * up

@@ -9,6 +9,7 @@ from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.layers.attention import Attention
 from inferno.layers.fused_cpu import cpu_fused_ops
+from inferno.layers.lora import LoRAMapping, LoRAStack, add_lora
 from inferno.layers.mlp import MLP
 from inferno.layers.moe import SparseMoE
 from inferno.layers.norm import RMSNorm
@@ -41,10 +42,12 @@ class SelfAttention(nn.Module):
         window = config.sliding_window if config.is_sliding(layer) else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window,
                               config.attn_logit_softcapping)
+        self.qkv_lora: LoRAStack | None = None  # set when the engine serves LoRA adapters (model/lora.py)
+        self.o_lora: LoRAStack | None = None
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta, lora: LoRAMapping | None = None) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = add_lora(self.qkv_proj(x), x, self.qkv_lora, lora)
         if self.q_norm is not None and self.q_norm.weight.shape[0] != self.head_dim:  # norms over all heads
             q, k, v = qkv.split([self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
@@ -63,7 +66,8 @@ class SelfAttention(nn.Module):
         else:
             qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        return self.o_proj(self.attn(q, k, v, meta))
+        attended = self.attn(q, k, v, meta)
+        return add_lora(self.o_proj(attended), attended, self.o_lora, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -80,14 +84,15 @@ class DecoderLayer(nn.Module):
         self.mlp = (SparseMoE(config, parallel) if moe is not None and layer not in moe.dense_layers
                     else MLP(config.hidden_size, config.intermediate_size, config.hidden_act, parallel))
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rotations, meta)
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta, lora: LoRAMapping | None = None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rotations, meta, lora)
+        mlp = self.mlp if lora is None else lambda h: self.mlp(h, lora)  # adapters: dense MLPs only (model/lora.py)
         if self.pre_feedforward_layernorm is None:  # post_attention_layernorm is the feed-forward's input norm
             h, x = self.post_attention_layernorm.add_and_norm(attn, x)
-            return x + self.mlp(h)
+            return x + mlp(h)
         # Gemma: norms on both sides of the attention and of the feed-forward block
         x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,9 +138,10 @@ class LlamaForCausalLM(nn.Module):
         return self.holds_head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, lora: LoRAMapping | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) for a flat batch of tokens, through this stage's layers;
-        `hidden`: the previous stage's output (later stages), instead of embedding `input_ids`."""
+        `hidden`: the previous stage's output (later stages), instead of embedding `input_ids`; `lora`: each token's
+        adapter slot, when the step runs LoRA adapters."""
         x = hidden
         if x is None:
             x = self.embed_tokens(input_ids)
@@ -144,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         rotations = self.rotary.rotations(positions)
         local = rotations if self.local_rotary is None else self.local_rotary.rotations(positions)
         for i in self.stage_layers:
-            x = self.layers[i](x, local if self.config.is_sliding(i) else rotations, meta)
+            x = self.layers[i](x, local if self.config.is_sliding(i) else rotations, meta, lora)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ class TokenChunk:
     token_ids: list[int]
     start: int
     block_ids: list[int]
+    lora_int_id: int = 0  # the LoRA adapter its tokens run with (0: none)
 
     @property
     def as_decode_rows(self) -> bool:
@@ -40,6 +41,7 @@ class MicroBatch:
     prefills: list[tuple[int, int, list[int]]]  # per prefill chunk: (tokens, tokens already cached, block ids)
     logit_rows: list[int]  # tokens whose final hidden states become logits (sampling, prompt logprobs)
     pooling_rows: list[int] = field(default_factory=list)  # tokens whose final hidden states are pooled (embeddings)
+    lora_ids: list[int] = field(default_factory=list)  # per token, the LoRA adapter it runs with (0: none)
 
     @property
     def output_rows(self) -> list[int]:
@@ -99,7 +101,7 @@ def plan_step(sched: SchedulerOutput, states: dict[str, CachedRequestState], blo
     plan = StepPlan(StepInput([], sched.block_copies), [], [], [])
     for group in groups:
         chunks = [(req, TokenChunk((req.token_ids + sched.spec_token_ids.get(req.request_id, []))[c:c + n], c,
-                                   req.block_ids)) for req, c, n in group]
+                                   req.block_ids, req.lora_int_id)) for req, c, n in group]
         # decode rows first, shortest first (so each attention group pads little), then prefill chunks
         chunks.sort(key=lambda rc: (not rc[1].as_decode_rows, rc[1].start))
         plan.step.micro_batches.append(_lay_out(chunks, sched, block_size, plan))
@@ -122,6 +124,7 @@ def _append(mb: MicroBatch, chunk: TokenChunk, block_size: int) -> int:
     pos = range(c, c + n)
     mb.input_ids.extend(chunk.token_ids)
     mb.positions.extend(pos)
+    mb.lora_ids.extend([chunk.lora_int_id] * n)
     table = chunk.block_ids[:cdiv(c + n, block_size)]
     mb.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
     if chunk.as_decode_rows:

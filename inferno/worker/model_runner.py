@@ -19,6 +19,7 @@ from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
+from inferno.layers.lora import LoRAMapping
 from inferno.layers.quantization.linear import QuantizedLinear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
@@ -31,6 +32,7 @@ from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
 from inferno.worker.huge_pages import move_weights_to_huge_pages
 from inferno.worker.kv_cache import available_memory, lazily_zeroed
+from inferno.worker.lora_manager import LoRAManager
 from inferno.worker.pooler import pool
 from inferno.worker.request_state import CachedRequestState, update_states
 
@@ -74,6 +76,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}  # every request the scheduler has not finished
         keep_freed_memory()
+        # LoRA adapters: stacks on the projections (before the warm-up compiles the decode step with them)
+        self.lora = LoRAManager(model, engine_config, device) if engine_config.enable_lora else None
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
         # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
         self.compiled_decode = None
@@ -257,7 +261,8 @@ class ModelRunner:
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
         decodes = mb.decodes
-        if self.decode_graphs is not None and not mb.prefills and hidden is None:
+        lora = self._lora_mapping(mb)
+        if self.decode_graphs is not None and not mb.prefills and hidden is None and lora is None:
             out = self.decode_graphs.run(mb.input_ids, mb.positions, mb.slot_mapping, decodes)
             if out is not None:
                 return out
@@ -270,11 +275,18 @@ class ModelRunner:
                 tables = torch.tensor([table + [0] * (width - len(table)) for _, table in decodes], dtype=torch.long)
                 seq_lens = torch.tensor([seq_len for seq_len, _ in decodes])
                 return self._run_compiled_decode(compiled, input_ids, positions, torch.tensor(mb.slot_mapping),
-                                                 tables, seq_lens)
+                                                 tables, seq_lens, None if lora is None else lora.token_slots)
             finally:
                 DYNAMO_STANCE.release()
         meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills)
-        return self.model(input_ids, positions, meta, hidden)
+        return self.model(input_ids, positions, meta, hidden, lora)
+
+    def _lora_mapping(self, mb: MicroBatch) -> LoRAMapping | None:
+        """The adapter slot of each token of the batch, the adapters put into slots; None without adapters."""
+        if self.lora is None or not any(mb.lora_ids):
+            return None
+        requests = {s.lora_int_id: s.lora_request for s in self.requests.values() if s.lora_request is not None}
+        return self.lora.mapping(mb.lora_ids, requests)
 
     def _compile_decode_step(self) -> None:
         """The compile thread: build the decode graphs, then hand them to the serving thread (`compiled_decode`),
@@ -320,11 +332,13 @@ class ModelRunner:
         # the graph for one sequence, then the dynamic-batch one (three-block tables: equal sizes would be tied
         # together), all on the scratch block
         slot = self.scratch_block * self.block_size
-        for batch in (1, 2):
+        # with LoRA also the graphs of steps that run adapters (slot 0 everywhere here: the products stay zero)
+        variants = [(1, False), (2, False)] + ([(1, True), (2, True)] if self.lora is not None else [])
+        for batch, with_lora in variants:
             inputs = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
                       torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
-                      torch.ones(batch, dtype=torch.long))
-            if batch == 1:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
+                      torch.ones(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long) if with_lora else None)
+            if batch == 1 and not with_lora:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
                 self._decode_forward(*inputs)
             start, hits = time.perf_counter(), compile_cache_hits()
             try:
@@ -334,33 +348,39 @@ class ModelRunner:
                     raise
                 logger.exception("a compiled decode graph from the compile cache failed; compiling afresh")
                 return None
-            logger.info("decode graph for %s compiled in %.1f s (%s)", "one sequence" if batch == 1 else "batches",
-                        time.perf_counter() - start, "from the compile cache" if compile_cache_hits() > hits
+            logger.info("decode graph for %s%s compiled in %.1f s (%s)", "one sequence" if batch == 1 else "batches",
+                        " with LoRA adapters" if with_lora else "", time.perf_counter() - start, "from the compile cache" if compile_cache_hits() > hits
                         else "not in the compile cache")
         return compiled
 
     @staticmethod
     def _run_compiled_decode(compiled, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor, lora_slots: torch.Tensor | None = None,
                              stance: str = "eager_on_recompile") -> torch.Tensor:
         """Two graphs, compiled by the warm-up (`stance` "default" there): one request (sizes of 1 are always
         specialised) and small batches. The batch graph is guarded on the row counts where quantized layers switch kernels (e.g. int4 dequantizes
         from 96 rows); a batch beyond them runs eagerly instead of compiling more graphs mid-serving (where the
         per-op overhead matters less anyway). The block-table width and the batch size are marked dynamic
-        explicitly, the same way on every call (the marks are part of what the graphs are guarded on)."""
+        explicitly, the same way on every call (the marks are part of what the graphs are guarded on). `lora_slots`:
+        each row's LoRA adapter slot when the step runs adapters (a graph of its own; the stacks are buffers changed
+        in place, so adding or swapping adapters recompiles nothing)."""
         if block_tables.shape[1] == 1:  # width 1 would be specialised too: pad with an unread block
             block_tables = torch.cat([block_tables, block_tables], dim=1)
         torch._dynamo.maybe_mark_dynamic(block_tables, 1)
         if input_ids.shape[0] > 1:
-            for t in (input_ids, positions, slot_mapping, block_tables, seq_lens):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+            for t in (input_ids, positions, slot_mapping, block_tables, seq_lens, lora_slots):
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         with torch.compiler.set_stance(stance):
-            return compiled(input_ids, positions, slot_mapping, block_tables, seq_lens)
+            return compiled(input_ids, positions, slot_mapping, block_tables, seq_lens, lora_slots)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                        block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """The model over one decode token per request (what gets compiled)."""
-        return self.model(input_ids, positions, self.attention.decode_metadata(slot_mapping, block_tables, seq_lens))
+        lora = None if lora_slots is None else LoRAMapping(lora_slots)
+        return self.model(input_ids, positions, self.attention.decode_metadata(slot_mapping, block_tables, seq_lens),
+                          lora=lora)
 
     def sample(self, plan: StepPlan, logits: torch.Tensor | None,
                grammar_bitmask: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:

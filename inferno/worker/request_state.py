@@ -5,6 +5,7 @@ import torch
 
 from inferno.core.scheduler_output import NewRequestData, SchedulerOutput
 from inferno.core.token_counts import TokenCounts
+from inferno.lora_request import LoRARequest
 from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams
 
@@ -22,6 +23,11 @@ class CachedRequestState(TokenCounts):
     num_prompt_logprobs: int  # prompt positions scored so far (the first one, which has no logprob, counts)
     pooling_params: PoolingParams | None = None  # an embedding request (worker/pooler.py)
     pooled: torch.Tensor | None = None  # rank 0: what its pooling has gathered from the chunks computed so far
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @classmethod
     def from_new(cls, data: NewRequestData, device: torch.device) -> "CachedRequestState":
@@ -29,7 +35,7 @@ class CachedRequestState(TokenCounts):
         generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
         return cls(data.req_id, list(data.prompt_token_ids), data.prompt_token_ids + data.output_token_ids, params,
                    data.eos_token_ids, list(data.block_ids), data.num_computed_tokens, generator,
-                   int(params.prompt_logprobs is not None), data.pooling_params)
+                   int(params.prompt_logprobs is not None), data.pooling_params, lora_request=data.lora_request)
 
 
 def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
