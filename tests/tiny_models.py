@@ -130,10 +130,11 @@ def gguf_name(hf_name: str, arch: str) -> str:
             "lm_head.weight": "output.weight"}[hf_name]
 
 
-def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str, expert_type: gguf.GGMLQuantizationType | None = None
-               ) -> Path:
+def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str, expert_type: gguf.GGMLQuantizationType | None = None,
+               projection_type: gguf.GGMLQuantizationType | None = None) -> Path:
     """The HF model's float32 weights and shape as a GGUF file of `arch`, with the byte-level vocabulary; the stacked
-    experts quantized to `expert_type` if given (llama.cpp's `ffn_*_exps`, blocks along each expert's rows)."""
+    experts quantized to `expert_type` if given (llama.cpp's `ffn_*_exps`, blocks along each expert's rows), the
+    decoder layers' projections to `projection_type` if given."""
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -171,6 +172,8 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str, expert_type: gg
     for name, array in gguf_tensors(hf_model, arch):
         if expert_type is not None and "_exps." in name:
             writer.add_tensor(name, gguf.quants.quantize(array, expert_type), raw_dtype=expert_type)
+        elif projection_type is not None and name.startswith("blk.") and array.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(array, projection_type), raw_dtype=projection_type)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

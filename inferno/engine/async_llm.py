@@ -18,6 +18,7 @@ from inferno.engine.kv_transfer import KVTransferStats
 from inferno.engine.llm_engine import LLMEngine
 from inferno.executor import ExecutorDeadError
 from inferno.loader.tokenizer import Tokenizer
+from inferno.lora_request import LoRARequest
 from inferno.outputs import PoolingRequestOutput, RequestOutput
 from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import RequestOutputKind, SamplingParams
@@ -100,6 +101,14 @@ class _AddRequest:
     params: SamplingParams | PoolingParams
     arrival_time: float
     stream: RequestStream
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class _EngineCall:
+    """A call on the engine between two steps (LoRA adapters); its result, or its exception, set on `done`."""
+    call: Callable[[], object]
+    done: asyncio.Future
 
 
 @dataclass(slots=True)
@@ -126,7 +135,7 @@ class AsyncLLM:
         # requests handed to the engine thread and not yet in its queue (aborts and other commands are not requests)
         self._pending_adds = 0
         self._pending_adds_lock = threading.Lock()
-        self._commands: queue.SimpleQueue[_AddRequest | _Abort | _ResetPrefixCache | _Shutdown] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_AddRequest | _Abort | _ResetPrefixCache | _EngineCall | _Shutdown] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # live requests; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -168,9 +177,11 @@ class AsyncLLM:
 
     # requests (event loop side)
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                          ) -> RequestStream:
         """Hand a request to the engine; returns its stream once the engine accepted it. Raises what
-        `LLMEngine.add_request` raises (ValueError for bad input), EngineDeadError when the loop is down."""
+        `LLMEngine.add_request` raises (ValueError for bad input, a LoRA adapter that does not fit), EngineDeadError
+        when the loop is down."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         if isinstance(params, SamplingParams):  # an embedding request has one output anyway
@@ -178,7 +189,8 @@ class AsyncLLM:
         stream = RequestStream(request_id)
         with self._pending_adds_lock:
             self._pending_adds += 1
-        self._commands.put(_AddRequest(request_id, prompt, params, arrival_time or time.time(), stream))
+        self._commands.put(_AddRequest(request_id, prompt, params, arrival_time or time.time(), stream,
+                                       lora_request))
         if self._stopped:  # the engine thread exited after the check above and may not have seen the command
             stream.accept(EngineDeadError("the engine loop is not running"))
         try:
@@ -188,10 +200,10 @@ class AsyncLLM:
             raise
         return stream
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """vLLM's AsyncLLM.generate: DELTA outputs of one request; leaving the loop early aborts it."""
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -202,6 +214,25 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """End a request; its blocks are freed before the next step. Unknown or finished ids are ignored."""
         self._commands.put(_Abort(request_id))
+
+    # LoRA adapters (event loop side): applied by the engine thread between two steps
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read the adapter and check it against the model (ValueError if it does not fit); False if added already."""
+        return await self._call_engine(partial(self.engine.add_lora, lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget the adapter (requests running with it finish with it); False if it was not added."""
+        return await self._call_engine(partial(self.engine.remove_lora, lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._call_engine(self.engine.list_loras)
+
+    async def _call_engine(self, call: Callable[[], object]):
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(_EngineCall(call, done))
+        return await done
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (between two steps); returns how many there were."""
@@ -240,9 +271,9 @@ class AsyncLLM:
         num_adds = sum(isinstance(command, _AddRequest) for command in commands)
         for command in commands:
             match command:
-                case _AddRequest(request_id, prompt, params, arrival_time, stream):
+                case _AddRequest(request_id, prompt, params, arrival_time, stream, lora_request):
                     try:
-                        self.engine.add_request(request_id, prompt, params, arrival_time)
+                        self.engine.add_request(request_id, prompt, params, arrival_time, lora_request)
                     except Exception as e:
                         callbacks.append(partial(stream.accept, e))
                         continue
@@ -257,6 +288,11 @@ class AsyncLLM:
                     callbacks.append(partial(stream.put, None))
                 case _ResetPrefixCache(done):
                     callbacks.append(partial(done.set_result, self.engine.reset_prefix_cache()))
+                case _EngineCall(call, done):
+                    try:
+                        callbacks.append(partial(_settle, done, call(), None))
+                    except Exception as e:
+                        callbacks.append(partial(_settle, done, None, e))
                 case _Shutdown():
                     keep_running = False
         self._record_stats([], ended)
@@ -351,6 +387,15 @@ class AsyncLLM:
                 stat_logger.record(stats, outputs, ended)
             except Exception:
                 logger.exception("stat logger %s failed", type(stat_logger).__name__)
+
+
+def _settle(done: asyncio.Future, result: object, error: Exception | None) -> None:
+    """On the event loop: an engine call's result or exception (made on the engine thread) to its caller."""
+    if not done.done():  # the caller may have been cancelled meanwhile
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
 
 
 def _run_all(callbacks: list[Callable[[], None]]) -> None:
