@@ -118,7 +118,7 @@ def test_responses_answer_as_the_offline_llm(client, offline):
 def test_messages_answer_as_the_offline_llm(server, offline):
     client = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
     out = client.messages.create(model="sql", messages=[{"role": "user", "content": QUESTION}],
-                                 max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+                                 max_tokens=MAX_TOKENS, extra_body={"temperature": 0, "ignore_eos": True})
     assert out.model == "sql" and out.content[0].text == offline["chat"]["sql"]
 
 
