@@ -8,7 +8,10 @@ import os
 import anthropic
 import httpx
 import openai
+import peft
 import pytest
+import torch
+import transformers
 
 from inferno import LLM, LoRARequest, SamplingParams
 from test_server import RemoteServer
@@ -120,6 +123,21 @@ def test_messages_answer_as_the_offline_llm(server, offline):
     out = client.messages.create(model="sql", messages=[{"role": "user", "content": QUESTION}],
                                  max_tokens=MAX_TOKENS, extra_body={"temperature": 0, "ignore_eos": True})
     assert out.model == "sql" and out.content[0].text == offline["chat"]["sql"]
+
+
+def test_embeddings_with_an_adapter_are_the_peft_models(client, files):
+    """The last token's final hidden state, normalized (the default pooling), of the adapter's PEFT model."""
+    token_ids = list(QUESTION.encode())  # byte-level tokens: token id = byte
+    base = transformers.AutoModelForCausalLM.from_pretrained(files["base"], dtype=torch.float32)
+    reference = peft.PeftModel.from_pretrained(base, files["sql"]).eval()
+    with torch.inference_mode():
+        hidden = reference(torch.tensor([token_ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+    out = client.embeddings.create(model="sql", input=[token_ids])
+    assert out.model == "sql"
+    torch.testing.assert_close(torch.tensor(out.data[0].embedding), torch.nn.functional.normalize(hidden, dim=-1),
+                               rtol=0, atol=1e-4)
+    base_vector = torch.tensor(client.embeddings.create(model=BASE, input=[token_ids]).data[0].embedding)
+    assert not torch.allclose(base_vector, torch.tensor(out.data[0].embedding), atol=1e-2)
 
 
 def test_unknown_model_is_a_404_in_each_routes_shape(server, client):
