@@ -2,6 +2,7 @@
 from --lora-modules. Each route run with an adapter (the request's `model`) answers what the offline LLM answers
 greedily with that adapter; adapters load and unload at run time; unknown names are 404s, bad loads 400s, and no
 KV block leaks."""
+import argparse
 import json
 import os
 
@@ -14,6 +15,8 @@ import torch
 import transformers
 
 from inferno import LLM, LoRARequest, SamplingParams
+from inferno.entrypoints.cli import main
+from inferno.server.cli_args import LoRAModulePath, lora_module
 from test_server import RemoteServer
 from tiny_lora import write_peft_adapter
 from tiny_models import write_hf_model
@@ -210,3 +213,26 @@ def test_without_the_flag_the_runtime_routes_do_not_exist(files):
         assert load(server, "late", files["late"]).status_code == 404
     finally:
         server.close()
+
+
+# --lora-modules
+@pytest.mark.parametrize("value, expected", [
+    ("sql=/srv/sql", LoRAModulePath("sql", "/srv/sql")),
+    ("eq=a=b.gguf", LoRAModulePath("eq", "a=b.gguf")),
+    ('{"name": "sql", "path": "/srv/sql", "base_model_name": "qwen"}', LoRAModulePath("sql", "/srv/sql", "qwen")),
+])
+def test_lora_modules_take_name_path_or_vllms_json(value, expected):
+    assert lora_module(value) == expected
+
+
+@pytest.mark.parametrize("value", ["sql", "=path", "sql=", '{"name": "sql"}', '{"name": 1, "path": "p"}', "{nope"])
+def test_malformed_lora_modules_are_refused(value):
+    with pytest.raises(argparse.ArgumentTypeError, match="--lora-modules"):
+        lora_module(value)
+
+
+def test_an_adapter_that_cannot_load_stops_the_server_at_start(files, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["serve", "--model", files["base"], "--quantization", "none", "--max-model-len", "64", "--kv-cache-memory",
+              str(4 << 20), "--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"wide={files['wide']}"])
+    assert raised.value.code == 2 and "max_lora_rank" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from functools import partial
 from fastapi import Request
 from fastapi.responses import Response
 
-from inferno.engine.async_llm import EngineDeadError, RequestFailedError, RequestStream
+from inferno.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from inferno.outputs import Logprob, PositionLogprobs
 from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
@@ -18,12 +18,14 @@ from inferno.server.reasoning import REASONING_PARSERS, reasoning_parser
 from inferno.server.serving import (
     SSE_DONE, ChoiceAccumulator, EnginePrompt, EngineStreamingResponse, OpenAIError, OpenAIServing,
     cancel_on_disconnect, clamp_logprob, json_response, request_id_of, server_error, sse, usage_of)
+from inferno.server.serving_models import ServingModels
 from inferno.server.tool_calls import check_tools, tool_constraint, tool_parser, tools_for_template
 from inferno.server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 
 class ServingChat(OpenAIServing):
-    def __init__(self, async_llm, models, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+    def __init__(self, async_llm: AsyncLLM, models: ServingModels, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         super().__init__(async_llm, models)
         if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
