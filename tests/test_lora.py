@@ -1,6 +1,7 @@
 """LoRA adapters served on one base model, with PEFT (over HF transformers) as the oracle: tiny random llama and qwen3
 bases, adapters made by `get_peft_model` with random non-zero B matrices (different ranks and target modules, one
 with rsLoRA's scale), saved with `save_pretrained`."""
+import asyncio
 import copy
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from conftest import assert_all_blocks_free
 from inferno import LLM, LoRARequest, SamplingParams
 from inferno.config import EngineConfig
 from inferno.core.kv_blocks import hash_block
+from inferno.engine.async_llm import AsyncLLM
+from inferno.layers.lora import LoRAStack
 from inferno.layers.quantization.linear import QuantizedLinear
 from inferno.request import Request
 from native_kernels import needs_kernels
@@ -23,13 +26,14 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 # name -> (base architecture, LoraConfig arguments)
 ADAPTERS = {
     "all": ("llama", dict(r=8, lora_alpha=16, target_modules=ALL)),
-    "attn_rslora": ("llama", dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], use_rslora=True)),
+    "attn_rslora": ("llama", dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                                  use_rslora=True)),
     "mlp": ("llama", dict(r=16, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"])),
     "qwen3_all": ("qwen3", dict(r=8, lora_alpha=32, target_modules=ALL, use_rslora=True)),
 }
 PROMPT = [(7 * i + 3) % 256 for i in range(40)]  # two full blocks of 16 and a partial one
-LLAMA_ARGS = dict(dtype="float32", kv_cache_dtype="float32", quantization=None, enforce_eager=True, kv_cache_memory=16 << 20, enable_lora=True,
-                  max_lora_rank=16)
+LLAMA_ARGS = dict(dtype="float32", kv_cache_dtype="float32", quantization=None, enforce_eager=True,
+                  kv_cache_memory=16 << 20, enable_lora=True, max_lora_rank=16)
 GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
 
 
@@ -183,6 +187,35 @@ def test_adapter_on_a_gguf_base_run_as_stored(models, tmp_path):
     assert_all_blocks_free(llm.llm_engine)
 
 
+@needs_kernels
+def test_async_llm_adds_lists_and_removes_adapters(models, llama_llm):
+    engine = llama_llm.llm_engine
+    lora = models["adapters"]["attn_rslora"][0]
+    reference = completions(llama_llm, [lora])[0].token_ids
+    engine.remove_lora(lora.lora_int_id)
+
+    async def scenario(async_llm: AsyncLLM) -> None:
+        assert await async_llm.add_lora(lora) and not await async_llm.add_lora(lora)
+        assert lora.lora_int_id in await async_llm.list_loras()
+        with pytest.raises(ValueError, match="does not exist"):
+            await async_llm.add_lora(LoRARequest("gone", 99, "/nonexistent/adapter"))
+        outputs = async_llm.generate({"prompt_token_ids": PROMPT}, GREEDY, "async", lora_request=lora)
+        assert [t async for output in outputs for t in output.outputs[0].token_ids] == reference
+        assert await async_llm.remove_lora(lora.lora_int_id)
+        assert lora.lora_int_id not in await async_llm.list_loras()
+
+    async def main() -> None:
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        try:
+            await scenario(async_llm)
+        finally:
+            await asyncio.to_thread(async_llm.shutdown)
+
+    asyncio.run(main())
+    assert_all_blocks_free(engine)
+
+
 def bad_adapter(models, tmp_path, kind: str) -> str:
     """An adapter folder that does not fit the tiny llama base, of the `kind` given."""
     llama = models["bases"]["llama"][1]
@@ -252,15 +285,28 @@ def test_misuse_is_refused_with_a_clear_error(models, llama_llm):
 
 
 @needs_kernels
-def test_compiled_decode_runs_adapters_without_recompiling(models, llama_llm):
+def test_compiled_decode_runs_adapters_without_recompiling(models, llama_llm, monkeypatch):
     """Decode steps with adapters run a graph of their own, compiled by the warm-up; other adapters, other slots and
     other batch sizes recompile nothing (the stacks are buffers written in place, the slots an input)."""
-    compiled = LLM(str(models["bases"]["llama"][0]), max_loras=2, **{**LLAMA_ARGS, "enforce_eager": False})
+    compiled = LLM(str(models["bases"]["llama"][0]), max_loras=2,
+                   **{**LLAMA_ARGS, "enforce_eager": False, "enable_prefix_caching": False})
     assert compiled.llm_engine.model_runner.wait_for_warm_up()
-    graphs = counters["stats"]["unique_graphs"]
     adapters = [models["adapters"][name][0] for name in ("all", "attn_rslora", "mlp")]
-    for loras in ([adapters[0]], [None, adapters[0]], adapters[1:], [adapters[2], None, adapters[1]]):
-        for ref, out in zip(completions(llama_llm, loras), completions(compiled, loras)):
+    batches = ([adapters[0]], [None, adapters[0]], adapters[1:], [adapters[2], None, adapters[1]])
+    references = [completions(llama_llm, loras) for loras in batches]
+    graphs = counters["stats"]["unique_graphs"]
+    eager_products = []  # the stacks' Python forward runs only in eager steps
+    forward = LoRAStack.forward
+
+    def counted_forward(self, x, mapping):
+        eager_products.append(x.shape[0])
+        return forward(self, x, mapping)
+
+    monkeypatch.setattr(LoRAStack, "forward", counted_forward)
+    for loras, reference in zip(batches, references):
+        for ref, out in zip(reference, completions(compiled, loras)):
             assert_same_completion(ref, out)
     assert counters["stats"]["unique_graphs"] == graphs
+    # per batch one eager step, its prefill, in 2 layers x 4 stacks; every decode step ran compiled
+    assert len(eager_products) == len(batches) * 8
     assert_all_blocks_free(compiled.llm_engine)

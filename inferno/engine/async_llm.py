@@ -135,7 +135,8 @@ class AsyncLLM:
         # requests handed to the engine thread and not yet in its queue (aborts and other commands are not requests)
         self._pending_adds = 0
         self._pending_adds_lock = threading.Lock()
-        self._commands: queue.SimpleQueue[_AddRequest | _Abort | _ResetPrefixCache | _EngineCall | _Shutdown] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_AddRequest | _Abort | _ResetPrefixCache | _EngineCall | _Shutdown] = \
+            queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # live requests; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -14,7 +14,8 @@ from inferno.loader.lora_peft import read_peft_adapter
 from inferno.model.lora import TARGET_MODULES, check_supports_lora, lora_shapes
 
 # PEFT's tensor names (with or without the `base_model.model.` wrapper)
-TENSOR_NAME = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+TENSOR_NAME = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 UNSUPPORTED = {"use_dora": "DoRA adapters", "modules_to_save": "modules_to_save (fully trained modules)",
                "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)"}
 

@@ -338,7 +338,8 @@ class ModelRunner:
             inputs = (torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long),
                       torch.full((batch,), slot), torch.full((batch, 3), self.scratch_block),
                       torch.ones(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long) if with_lora else None)
-            if batch == 1 and not with_lora:  # an eager step first: what it resolves lazily (fused_cpu), the graph reuses
+            if batch == 1 and not with_lora:  # an eager step first: what it resolves lazily (fused_cpu), the graph
+                # reuses
                 self._decode_forward(*inputs)
             start, hits = time.perf_counter(), compile_cache_hits()
             try:
@@ -349,8 +350,8 @@ class ModelRunner:
                 logger.exception("a compiled decode graph from the compile cache failed; compiling afresh")
                 return None
             logger.info("decode graph for %s%s compiled in %.1f s (%s)", "one sequence" if batch == 1 else "batches",
-                        " with LoRA adapters" if with_lora else "", time.perf_counter() - start, "from the compile cache" if compile_cache_hits() > hits
-                        else "not in the compile cache")
+                        " with LoRA adapters" if with_lora else "", time.perf_counter() - start,
+                        "from the compile cache" if compile_cache_hits() > hits else "not in the compile cache")
         return compiled
 
     @staticmethod

@@ -9,7 +9,7 @@ lookahead slots beyond each running request's scheduled tokens, which is where t
 drafts. Draft K/V of rejected tokens is simply not trusted: before proposing, the cached prefix is compared with
 the request's tokens and only the matching part is kept, the rest is recomputed (and overwritten).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -64,7 +64,8 @@ def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target: Mode
 class DraftModelProposer:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
                  states: dict[str, CachedRequestState], device: torch.device):
-        self.runner = ModelRunner(model, config, num_blocks, device=device)
+        # the drafts come from the base draft model: LoRA adapters are the target's, which verifies them
+        self.runner = ModelRunner(model, replace(config, enable_lora=False), num_blocks, device=device)
         self.block_size = config.block_size
         self.vocab_size = model.config.vocab_size
         self.states = states  # the target runner's request states: a request gone from them has ended
