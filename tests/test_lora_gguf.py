@@ -125,6 +125,16 @@ def test_bad_adapter_files_raise_clear_errors(tmp_path, tensors, kwargs, message
         read_gguf_adapter(path)
 
 
+def test_token_embedding_pairs_read_as_peft_embedding_lora(tmp_path):
+    """llama.cpp stores token_embd's A transposed ([vocab, r], rows looked up); PEFT's lora_embedding_A is [r, vocab]."""
+    a, b = np.arange(24, dtype=np.float32).reshape(6, 4), np.ones((64, 4), np.float32)
+    path = write_adapter(tmp_path / "embd.gguf", "qwen3", {"token_embd.weight.lora_a": a, "token_embd.weight.lora_b": b})
+    config, tensors = read_gguf_adapter(path)
+    assert torch.equal(tensors["base_model.model.model.embed_tokens.lora_embedding_A"], torch.from_numpy(a.T))
+    assert tensors["base_model.model.model.embed_tokens.lora_embedding_B"].shape == (64, 4)
+    assert config["r"] == 4 and config["target_modules"] == ["embed_tokens"]
+
+
 def test_llama_q_without_the_base_config_is_refused(tmp_path):
     path = write_adapter(tmp_path / "llama.gguf", "llama",
                          {"blk.0.attn_q.weight.lora_a": A, "blk.0.attn_q.weight.lora_b": B})
