@@ -92,7 +92,6 @@ COMPLETION_CASES = [
     ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"best_of": 2}, "best_of"),
     ({"suffix": "!"}, "suffix"),
-    ({"model": "gpt-4"}, "model"),
     ({"prompt": 123}, None),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 10 ** 9]}, None),
@@ -118,7 +117,6 @@ CHAT_CASES = [
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"model": "gpt-4"}, "model"),
     ({"messages": [{"role": "user", "content": "word " * 200}]}, "max_completion_tokens"),
 ]
 
@@ -151,7 +149,6 @@ RESPONSES_CASES = [
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
     ({"text": {"format": {"type": "xml"}}}, "text"),
-    ({"model": "gpt-4"}, "model"),
 ]
 
 
@@ -168,9 +165,15 @@ def test_unknown_response_id_gets_404(server, method):
 
 
 def test_unknown_model_gets_model_not_found(server):
-    with pytest.raises(openai.BadRequestError) as raised:
+    with pytest.raises(openai.NotFoundError) as raised:
         server.client().completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
     assert raised.value.code == "model_not_found" and raised.value.param == "model"
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                                            ("/v1/responses", {"input": "Hi"}), ("/tokenize", {"prompt": "Hi"})])
+def test_unknown_model_is_a_404_on_every_route(server, path, body):
+    assert_error(post(server, path, body | {"model": "gpt-4"}), 404, "model", "model_not_found")
 
 
 def test_oversize_prompt_names_the_context_length(server):

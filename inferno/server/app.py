@@ -8,7 +8,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -22,8 +22,8 @@ from inferno.server.http_metrics import HTTPMetricsMiddleware
 from inferno.server.metrics import PrometheusStatLogger
 from inferno.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeChatRequest, TokenizeRequest,
-    TokenizeResponse)
+    DetokenizeResponse, ErrorResponse, LoadLoRAAdapterRequest, ModelList, TokenizeChatRequest, TokenizeRequest,
+    TokenizeResponse, UnloadLoRAAdapterRequest)
 from inferno.server.protocol_anthropic import (
     AnthropicErrorResponse, CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest)
 from inferno.server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
@@ -34,6 +34,7 @@ from inferno.server.serving_chat import ServingChat
 from inferno.server.serving_completion import ServingCompletion
 from inferno.server.serving_embedding import ServingEmbedding
 from inferno.server.serving_messages import ServingMessages, anthropic_error_response, is_messages_route
+from inferno.server.serving_models import ServingModels, runtime_lora_updating_allowed
 from inferno.server.serving_responses import ServingResponses
 
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 500, 503)}
@@ -73,19 +74,20 @@ def error_response(path: str, error: OpenAIError) -> Response:
     return anthropic_error_response(error) if is_messages_route(path) else error.response()
 
 
-def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry, api_key: str | None = None,
+def build_app(async_llm: AsyncLLM, models: ServingModels, registry: CollectorRegistry, api_key: str | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               response_store: ResponseStore | None = None) -> FastAPI:
-    """The app serving `async_llm`; the engine thread starts and stops with the app's lifespan."""
-    completions = ServingCompletion(async_llm, model_name)
-    chat = ServingChat(async_llm, model_name, tool_call_parser, reasoning_parser)
+    """The app serving `async_llm` under `models`' names; the engine thread starts and stops with the app's
+    lifespan."""
+    completions = ServingCompletion(async_llm, models)
+    chat = ServingChat(async_llm, models, tool_call_parser, reasoning_parser)
     if response_store is None:
         defaults = ServerConfig()
         response_store = ResponseStore(defaults.responses_store_max_items, defaults.responses_store_max_bytes)
     responses = ServingResponses(chat, response_store)
     messages = ServingMessages(chat)
-    tokenizer = OpenAIServing(async_llm, model_name)
-    embeddings = ServingEmbedding(async_llm, model_name)
+    tokenizer = OpenAIServing(async_llm, models)
+    embeddings = ServingEmbedding(async_llm, models)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -131,9 +133,17 @@ def build_app(async_llm: AsyncLLM, model_name: str, registry: CollectorRegistry,
         return Response(status_code=200)
 
     @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        card = ModelCard(id=model_name, root=async_llm.engine.model_path, max_model_len=async_llm.max_model_len)
-        return ModelList(data=[card])
+    async def list_models() -> ModelList:
+        return ModelList(data=models.model_cards())
+
+    if runtime_lora_updating_allowed():
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> str:
+            return await models.load_lora_adapter(request)
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> str:
+            return await models.unload_lora_adapter(request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -220,10 +230,12 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     disable_created_metrics()  # no `_created` series next to every counter and histogram
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine, config.max_waiting_requests, [PrometheusStatLogger(registry, model_name)])
-    app = build_app(async_llm, model_name, registry, config.api_key, config.tool_call_parser,
-                    config.reasoning_parser,
-                    ResponseStore(config.responses_store_max_items, config.responses_store_max_bytes))
     try:
+        models = ServingModels(async_llm, model_name)
+        models.add_static_loras(config.lora_modules)
+        app = build_app(async_llm, models, registry, config.api_key, config.tool_call_parser,
+                        config.reasoning_parser,
+                        ResponseStore(config.responses_store_max_items, config.responses_store_max_bytes))
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                     access_log=not config.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
     finally:

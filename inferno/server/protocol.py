@@ -290,12 +290,23 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "inferno"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):  # vLLM's /v1/load_lora_adapter
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class TokenizeCompletionRequest(OpenAIModel):

@@ -5,6 +5,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -12,10 +13,14 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from inferno.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from inferno.lora_request import LoRARequest
 from inferno.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from inferno.pooling_params import PoolingParams
 from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 from inferno.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
+
+if TYPE_CHECKING:  # serving_models raises this module's OpenAIError
+    from inferno.server.serving_models import ServingModels
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} | {"response_format"}  # names a ValueError may start with
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -93,19 +98,18 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class OpenAIServing:
-    def __init__(self, async_llm: AsyncLLM, model_name: str):
+    def __init__(self, async_llm: AsyncLLM, models: "ServingModels"):
         self.async_llm = async_llm
-        self.model_name = model_name
+        self.models = models
         self.tokenizer = async_llm.tokenizer
         self.input_processor = async_llm.engine.input_processor  # what every request passes through
         self.max_model_len = async_llm.max_model_len
         self.vocab_size = async_llm.engine.model_config.vocab_size
 
     # checks
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise OpenAIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                              param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names (None: the base model); 404 for a name not served."""
+        return self.models.lora_request(model)
 
     def check_sampling(self, request: SamplingRequest) -> None:
         if request.logit_bias:
@@ -152,9 +156,10 @@ class OpenAIServing:
         return EnginePrompt(prompt["prompt"], prompt["prompt_token_ids"])
 
     # engine
-    async def add_requests(self, request_id: str, prompts: list[EnginePrompt],
-                           params: SamplingParams | PoolingParams) -> list[RequestStream]:
-        """One engine request per prompt (`{request_id}-{i}` when there are several); all or none."""
+    async def add_requests(self, request_id: str, prompts: list[EnginePrompt], params: SamplingParams | PoolingParams,
+                           lora_request: LoRARequest | None = None) -> list[RequestStream]:
+        """One engine request per prompt (`{request_id}-{i}` when there are several), run with `lora_request`'s
+        adapter if given; all or none."""
         if self.async_llm.is_overloaded:
             raise OpenAIError("The server is overloaded: the waiting queue is full. Please retry later.",
                               status_code=503, type="server_error", code="engine_overloaded")
@@ -163,7 +168,8 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
-                streams.append(await self.async_llm.add_request(engine_id, engine_prompt, params))
+                streams.append(await self.async_llm.add_request(engine_id, engine_prompt, params,
+                                                                lora_request=lora_request))
         except ValueError as e:
             self.abort_unfinished(streams)
             raise invalid_request(e) from e

@@ -7,7 +7,7 @@ from functools import partial
 from fastapi import Request
 from fastapi.responses import Response
 
-from inferno.engine.async_llm import EngineDeadError, RequestFailedError, RequestStream
+from inferno.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from inferno.outputs import Logprob, PositionLogprobs
 from inferno.sampling_params import SamplingParams, StructuredOutputsParams
 from inferno.server.chat_output import ChatDeltaTracker, ChatOutputParser
@@ -18,14 +18,15 @@ from inferno.server.reasoning import REASONING_PARSERS, reasoning_parser
 from inferno.server.serving import (
     SSE_DONE, ChoiceAccumulator, EnginePrompt, EngineStreamingResponse, OpenAIError, OpenAIServing,
     cancel_on_disconnect, clamp_logprob, json_response, request_id_of, server_error, sse, usage_of)
+from inferno.server.serving_models import ServingModels
 from inferno.server.tool_calls import check_tools, tool_constraint, tool_parser, tools_for_template
 from inferno.server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 
 class ServingChat(OpenAIServing):
-    def __init__(self, async_llm, model_name: str, tool_call_parser: str | None = None,
+    def __init__(self, async_llm: AsyncLLM, models: ServingModels, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None):
-        super().__init__(async_llm, model_name)
+        super().__init__(async_llm, models)
         if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -39,16 +40,18 @@ class ServingChat(OpenAIServing):
         return ChatOutputParser(reasoning_parser(self.reasoning_parser), tools)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        lora_request = self.check_model(request.model)
         prompt, params = self.prepare(request)
         request_id = f"chatcmpl-{request_id_of(raw_request)}"
-        streams = await self.add_requests(request_id, [prompt], params)
+        streams = await self.add_requests(request_id, [prompt], params, lora_request)
         headers = {"X-Request-Id": request_id}
+        model_name = self.models.model_name(lora_request)
         if request.stream:
-            return EngineStreamingResponse(self.stream(request, request_id, prompt, streams[0]),
+            return EngineStreamingResponse(self.stream(request, request_id, model_name, prompt, streams[0]),
                                            on_close=partial(self.abort_unfinished, streams), headers=headers)
         try:
-            return await cancel_on_disconnect(raw_request,
-                                              self.collect(request, request_id, prompt, streams[0], headers))
+            return await cancel_on_disconnect(raw_request, self.collect(request, request_id, model_name, prompt,
+                                                                        streams[0], headers))
         finally:
             self.abort_unfinished(streams)
 
@@ -60,8 +63,8 @@ class ServingChat(OpenAIServing):
         return prompt, self.engine_params(request, max_tokens, constraint)
 
     def render(self, request: ChatCompletionRequest) -> tuple[EnginePrompt, StructuredOutputsParams | None]:
-        """The checked request's prompt, and the constraint its tool_choice needs."""
-        self.check_model(request.model)
+        """The checked request's prompt, and the constraint its tool_choice needs (its model is checked by the
+        route, which runs the adapter it names)."""
         self.check_sampling(request)
         self.check_chat_options(request)
         functions = check_tools(request.tools, request.tool_choice)
@@ -100,7 +103,7 @@ class ServingChat(OpenAIServing):
         token = logprob.decoded_token if logprob.decoded_token is not None else self.tokenizer.id_to_token(token_id)
         return {"token": token, "logprob": clamp_logprob(logprob.logprob), "bytes": list(token.encode("utf-8"))}
 
-    async def collect(self, request: ChatCompletionRequest, request_id: str, prompt: EnginePrompt,
+    async def collect(self, request: ChatCompletionRequest, request_id: str, model_name: str, prompt: EnginePrompt,
                       stream: RequestStream, headers: dict[str, str]) -> Response:
         choices = [ChoiceAccumulator() for _ in range(request.n)]
         kv_transfer_params = None  # a prefill instance's answer: where the prompt's KV waits
@@ -123,16 +126,16 @@ class ServingChat(OpenAIServing):
                 if request.logprobs else None,
                 finish_reason=finish_reason(choice.finish_reason, bool(tool_calls)), stop_reason=choice.stop_reason))
         usage = usage_of([prompt], sum(len(c.token_ids) for c in choices))
-        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=response_choices, usage=usage,
+        response = ChatCompletionResponse(id=request_id, model=model_name, choices=response_choices, usage=usage,
                                           kv_transfer_params=kv_transfer_params)
         return json_response(response, headers)
 
-    async def stream(self, request: ChatCompletionRequest, request_id: str, prompt: EnginePrompt,
+    async def stream(self, request: ChatCompletionRequest, request_id: str, model_name: str, prompt: EnginePrompt,
                      stream: RequestStream) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage=None) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                     choices=choices, usage=usage))
 
         for index in range(request.n):

@@ -17,7 +17,7 @@ from inferno.server.serving import (
 
 class ServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_sampling(request)
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
@@ -29,14 +29,15 @@ class ServingCompletion(OpenAIServing):
         prompt_logprobs = request.logprobs if request.echo else None
         params = self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
         request_id = f"cmpl-{request_id_of(raw_request)}"
-        streams = await self.add_requests(request_id, prompts, params)
+        streams = await self.add_requests(request_id, prompts, params, lora_request)
         headers = {"X-Request-Id": request_id}
+        model_name = self.models.model_name(lora_request)
         if request.stream:
-            return EngineStreamingResponse(self.stream(request, request_id, prompts, streams),
+            return EngineStreamingResponse(self.stream(request, request_id, model_name, prompts, streams),
                                            on_close=partial(self.abort_unfinished, streams), headers=headers)
         try:
-            return await cancel_on_disconnect(raw_request, self.collect(request, request_id, prompts, streams,
-                                                                        headers))
+            return await cancel_on_disconnect(raw_request, self.collect(request, request_id, model_name, prompts,
+                                                                        streams, headers))
         finally:
             self.abort_unfinished(streams)
 
@@ -68,7 +69,7 @@ class ServingCompletion(OpenAIServing):
         positions += [None] * (len(prompt.token_ids) - len(positions))
         return self.logprobs(prompt.token_ids, positions, num_top, 0)
 
-    async def collect(self, request: CompletionRequest, request_id: str, prompts: list[EnginePrompt],
+    async def collect(self, request: CompletionRequest, request_id: str, model_name: str, prompts: list[EnginePrompt],
                       streams: list[RequestStream], headers: dict[str, str]) -> Response:
         n = request.n
         choices = [ChoiceAccumulator() for _ in range(len(prompts) * n)]
@@ -99,11 +100,11 @@ class ServingCompletion(OpenAIServing):
                                                      finish_reason=choice.finish_reason,
                                                      stop_reason=choice.stop_reason))
         usage = usage_of(prompts, sum(len(c.token_ids) for c in choices))
-        response = CompletionResponse(id=request_id, model=self.model_name, choices=response_choices, usage=usage,
+        response = CompletionResponse(id=request_id, model=model_name, choices=response_choices, usage=usage,
                                       kv_transfer_params=kv_transfer_params)
         return json_response(response, headers)
 
-    async def stream(self, request: CompletionRequest, request_id: str, prompts: list[EnginePrompt],
+    async def stream(self, request: CompletionRequest, request_id: str, model_name: str, prompts: list[EnginePrompt],
                      streams: list[RequestStream]) -> AsyncIterator[str]:
         n = request.n
         created = int(time.time())
@@ -130,10 +131,10 @@ class ServingCompletion(OpenAIServing):
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                               finish_reason=completion.finish_reason,
                                               stop_reason=completion.stop_reason)
-                    yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                    yield sse(CompletionResponse(id=request_id, created=created, model=model_name,
                                                  choices=[choice]))
             if request.include_usage:
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                yield sse(CompletionResponse(id=request_id, created=created, model=model_name, choices=[],
                                              usage=usage_of(prompts, num_completion_tokens)))
         except (RequestFailedError, EngineDeadError) as e:
             yield sse(server_error(str(e)).body)

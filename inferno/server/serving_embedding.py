@@ -16,15 +16,17 @@ from inferno.server.serving import (EnginePrompt, OpenAIError, OpenAIServing, ca
 
 class ServingEmbedding(OpenAIServing):
     async def create(self, request: EmbeddingRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         prompts = self.prompts(request.input, "input")
         for prompt in prompts:
             self.check_input_length(prompt)
         params = self.pooling_params(request)
         request_id = f"embd-{request_id_of(raw_request)}"
-        streams = await self.add_requests(request_id, prompts, params)
+        streams = await self.add_requests(request_id, prompts, params, lora_request)
+        model_name = self.models.model_name(lora_request)
         try:
-            return await cancel_on_disconnect(raw_request, self.collect(request, request_id, prompts, streams))
+            return await cancel_on_disconnect(raw_request, self.collect(request, request_id, model_name, prompts,
+                                                                        streams))
         finally:
             self.abort_unfinished(streams)
 
@@ -42,7 +44,7 @@ class ServingEmbedding(OpenAIServing):
             raise OpenAIError(str(e), param="dimensions") from e
         return params
 
-    async def collect(self, request: EmbeddingRequest, request_id: str, prompts: list[EnginePrompt],
+    async def collect(self, request: EmbeddingRequest, request_id: str, model_name: str, prompts: list[EnginePrompt],
                       streams: list[RequestStream]) -> Response:
         outputs: list[PoolingRequestOutput | None] = [None] * len(prompts)
         try:
@@ -55,7 +57,7 @@ class ServingEmbedding(OpenAIServing):
         data = [EmbeddingData(index=i, embedding=encode(output.outputs.data, request.encoding_format))
                 for i, output in enumerate(outputs)]
         num_tokens = sum(len(p.token_ids) for p in prompts)
-        return json_response(EmbeddingResponse(id=request_id, model=self.model_name, data=data,
+        return json_response(EmbeddingResponse(id=request_id, model=model_name, data=data,
                                                usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)),
                              headers={"X-Request-Id": request_id})
 

@@ -47,19 +47,13 @@ class ServingMessages:
     def __init__(self, chat: ServingChat):
         self.chat = chat
 
-    def check_model(self, model: str) -> None:
-        """Anthropic answers an unknown model with a 404."""
-        if model != self.chat.model_name:
-            raise OpenAIError(f"model: the model `{model}` does not exist; this server serves "
-                              f"`{self.chat.model_name}`", status_code=404, param="model")
-
     def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
-        self.check_model(request.model)
+        self.chat.check_model(request.model)
         prompt, _ = self.chat.render(chat_request_of(request))
         return CountTokensResponse(input_tokens=len(prompt.token_ids))
 
     async def create(self, request: MessagesRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora_request = self.chat.check_model(request.model)  # an unknown model: 404 (in Anthropic's shape)
         chat_request = chat_request_of(request)
         prompt, constraint = self.chat.render(chat_request)
         # max_tokens is required and clients ask for a lot (Claude Code 32000, whatever the model): the answer may
@@ -67,7 +61,7 @@ class ServingMessages:
         max_tokens = max(1, min(request.max_tokens, self.chat.max_model_len - len(prompt.token_ids)))
         request_id = f"msg_{request_id_of(raw_request)}"
         params = self.chat.engine_params(chat_request, max_tokens, constraint)
-        streams = await self.chat.add_requests(request_id, [prompt], params)
+        streams = await self.chat.add_requests(request_id, [prompt], params, lora_request)
         reply = MessageReply(self.chat, request, chat_request, max_tokens < request.max_tokens)
         headers = {"X-Request-Id": request_id, "request-id": request_id}
         if request.stream:
@@ -84,7 +78,7 @@ class MessageReply:
 
     def __init__(self, chat: ServingChat, request: MessagesRequest, chat_request: ChatCompletionRequest,
                  cut_to_context: bool):
-        self.model_name = chat.model_name
+        self.model_name = request.model  # the base model's name or an adapter's
         self.parser = chat.output_parser(chat_request)
         self.thinking = request.thinking is not None and request.thinking.enabled
         choice = request.tool_choice

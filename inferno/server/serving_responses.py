@@ -60,14 +60,15 @@ class ServingResponses:
         if request.background:
             raise OpenAIError("background mode is not supported: leave `background` out or set it to false",
                               param="background")
+        lora_request = self.chat.check_model(request.model)
         conversation = [*self.history(request.previous_response_id), *input_items(request.input)]
         response_id = f"resp_{request_id_of(raw_request)}"
         with responses_params():
             chat = chat_request(request, conversation)
             prompt, params = self.chat.prepare(chat)
-            pending = PendingResponse(request, response_id, self.chat.model_name, prompt, conversation,
-                                      self.chat.output_parser(chat), int(time.time()))
-            streams = await self.chat.add_requests(response_id, [prompt], params)
+            pending = PendingResponse(request, response_id, self.chat.models.model_name(lora_request), prompt,
+                                      conversation, self.chat.output_parser(chat), int(time.time()))
+            streams = await self.chat.add_requests(response_id, [prompt], params, lora_request)
         headers = {"X-Request-Id": response_id}
         if request.stream:
             return EngineStreamingResponse(self.stream(pending, streams[0]),
