@@ -155,9 +155,7 @@ LLM_ARGS = dict(dtype="float32", kv_cache_dtype="float32", quantization=None, en
 PROMPT = [(5 * i + 11) % 256 for i in range(24)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", pytest.param("llama", marks=pytest.mark.xfail(
-    strict=True, reason="the engine's adapter loader calls read_gguf_adapter(path) without the base model's config, "
-                        "which llama files' q/k need (loader/lora_adapter.py: pass `config`)"))])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_gguf_lora_runs_as_its_peft_adapter(arch, tmp_path, request):
     hf_model = request.getfixturevalue(arch)
     folder = tmp_path / "base"

@@ -10,6 +10,7 @@ import torch
 from inferno.config import ModelConfig
 from inferno.layers.rotary import interleave_rotary_rows
 from inferno.lora_request import LoRARequest
+from inferno.loader.lora_gguf import read_gguf_adapter
 from inferno.loader.lora_peft import read_peft_adapter
 from inferno.model.lora import TARGET_MODULES, check_supports_lora, lora_shapes
 
@@ -35,16 +36,12 @@ class LoRAAdapter:
         return sum(t.nbytes for pairs in self.weights.values() for pair in pairs if pair for t in pair)
 
 
-def read_adapter_files(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A `.gguf` file -> llama.cpp's LoRA reader; a folder -> PEFT's."""
+def read_adapter_files(path: str, config: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A `.gguf` file -> llama.cpp's LoRA reader (which needs the base's head counts to undo llama's Q/K row order);
+    a folder -> PEFT's."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        try:
-            from inferno.loader.lora_gguf import read_gguf_adapter
-        except ImportError:
-            raise ValueError(f"LoRA adapter {path!r}: GGUF LoRA files are not supported in this build; convert it "
-                             "to a PEFT folder") from None
-        return read_gguf_adapter(path)
+        return read_gguf_adapter(path, config)
     if p.is_dir():
         return read_peft_adapter(path)
     raise ValueError(f"LoRA adapter path {path!r} does not exist or is neither a PEFT adapter folder nor a .gguf "
@@ -52,7 +49,7 @@ def read_adapter_files(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def load_lora_adapter(request: LoRARequest, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    adapter_config, tensors = read_adapter_files(request.lora_path)
+    adapter_config, tensors = read_adapter_files(request.lora_path, config)
     return lora_adapter(request, adapter_config, tensors, config, max_rank, dtype)
 
 

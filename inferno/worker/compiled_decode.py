@@ -1,5 +1,5 @@
-"""The CPU decode step compiled ahead of time: two graphs (one sequence; small batches; two more with LoRA adapters) captured by dynamo and built
-by inductor once (`torch.compile(...).aot_compile`), then saved as a precompiled artifact, so a later start loads
+"""The CPU decode step compiled ahead of time: two graphs (one sequence; small batches; two more with LoRA adapters)
+captured by dynamo and built by inductor once (`torch.compile(...).aot_compile`), then saved as a precompiled artifact, so a later start loads
 them without tracing the model, building guards or looking anything up in inductor's caches.
 
 The graphs take the model and its attention backend as arguments: the weights and KV caches are inputs, read from
