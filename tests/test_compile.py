@@ -6,6 +6,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from conftest import assert_all_blocks_free
@@ -132,3 +133,28 @@ def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monke
     for i, ref in enumerate(generate(eager, PROMPTS)):
         assert_identical(ref, finished[str(i)].outputs[0])
     assert_all_blocks_free(engine)
+
+
+def test_fx_tracing_on_the_compile_thread_leaves_other_threads_modules_alone():
+    """FX patches torch.nn.Module.__call__ for the whole process while it traces; within the compile's context a
+    module called on another thread (the serving thread's eager step) runs as usual, while the tracing thread's
+    calls go through the tracer's patch."""
+    from torch.fx._symbolic_trace import _Patcher
+    from inferno.worker.compiled_decode import fx_patches_on_this_thread_only
+
+    def traced_call(module, *args, **kwargs):
+        raise RuntimeError("called through the tracer's patch")
+
+    layer, x, results = torch.nn.Linear(4, 4), torch.ones(1, 4), []
+    with fx_patches_on_this_thread_only():
+        patcher = _Patcher()
+        patcher.patch_method(torch.nn.Module, "__call__", traced_call, deduplicate=False)
+        try:
+            other = threading.Thread(target=lambda: results.append(layer(x)))
+            other.start()
+            other.join()
+            with pytest.raises(RuntimeError, match="tracer's patch"):
+                layer(x)
+        finally:
+            patcher.revert_all_patches()
+    assert len(results) == 1 and torch.equal(results[0], layer(x))

@@ -11,9 +11,13 @@ width, the row counts where quantized layers switch kernels) are kept and checke
 them runs eagerly. What the dropped guards would have checked (the modules, their tensors' shapes, the globals, the
 code) is in the artifact's key instead (`compile_cache.precompiled_key`). The layers call the same native kernels
 traced as eager (layers/fused_cpu.py), so both paths give the same bits."""
+import functools
 import logging
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +107,11 @@ class CompiledDecode:
 def compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_size: int) -> CompiledDecode:
     """Both graphs traced and built (from inductor's caches where it has them), each logged with its phases (dynamo's
     timers)."""
+    with fx_patches_on_this_thread_only():
+        return _compile_graphs(model, attention, scratch_block, block_size)
+
+
+def _compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_size: int) -> CompiledDecode:
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=None,
                              options={"guard_filter_fn": serializable_step_guards, **compile_options()})
     graphs, serialized = {}, {}
@@ -179,3 +188,27 @@ def serializable_step_guards(entries: list) -> list[bool]:
     global_names = torch.compiler.skip_guard_on_globals_unsafe(entries)
     return [m and g and e.guard_type not in unsavable and not unsavable.intersection(e.derived_guard_types or ())
             for m, g, e in zip(modules, global_names, entries)]
+
+
+@contextmanager
+def fx_patches_on_this_thread_only() -> Iterator[None]:
+    """While FX traces (AOTAutograd's make_fx, inductor's pattern tracing) it patches `torch.nn.Module.__call__` and
+    `__getattr__` for the whole process; the serving thread's eager steps then ran through the tracer and failed
+    ("module is not installed as a submodule"), ending their requests. Within this context the methods FX patches
+    act as the tracer's only on the thread that entered it, and as the originals on every other thread."""
+    from torch.fx._symbolic_trace import _Patcher
+    owner, patch_method = threading.get_ident(), _Patcher.patch_method
+
+    def patch_for_owner(self, cls: type, name: str, new_fn, deduplicate: bool = True) -> None:
+        original = getattr(cls, name)
+
+        @functools.wraps(new_fn)
+        def on_owner_only(*args, **kwargs):
+            return (new_fn if threading.get_ident() == owner else original)(*args, **kwargs)
+        patch_method(self, cls, name, on_owner_only, deduplicate)
+
+    _Patcher.patch_method = patch_for_owner
+    try:
+        yield
+    finally:
+        _Patcher.patch_method = patch_method
