@@ -26,7 +26,7 @@ demo: install
 	$(BIN)/inferno generate "What is the capital of France? Answer in one sentence." --chat --max-tokens 64
 
 test: install
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests --durations=25
 
 bench: install
 	$(BIN)/python benchmarks/throughput.py --compare-hf
