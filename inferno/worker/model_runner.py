@@ -321,11 +321,13 @@ class ModelRunner:
         compiled (once more from scratch where an entry of inductor's caches broke it) and saved."""
         scratch = (self.model, self.attention, self.scratch_block, self.block_size)
         start = time.perf_counter()
+        options = compile_options()  # imports inductor and runs its ISA probe: most of this phase
+        options_made = time.perf_counter()
         # what the trace reads: the model and its attention backend (the engine's options as they hold them: the KV
         # caches' dtype and capacity, the backend, the quantized layers), and inductor's options
-        path = precompiled_path(folder, precompiled_key(self.model, self.attention, compile_options()))
-        logger.info("decode step: looking for its precompiled graphs (key made in %.2f s)",
-                    time.perf_counter() - start)
+        path = precompiled_path(folder, precompiled_key(self.model, self.attention, options))
+        logger.info("decode step: looking for its precompiled graphs (inductor loaded in %.2f s, key made in %.2f s)",
+                    options_made - start, time.perf_counter() - options_made)
         if (serialized := read_precompiled(path)) is not None:
             try:
                 return self._load_graphs(serialized, path)
