@@ -307,8 +307,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.quantization in ("int8", "int4", "w8a8") and self.tensor_parallel_size > 1:
-            # the quantized layers hold whole weights and do no all-reduce: they replace the tensor-parallel ones
-            # ("auto" falls back to float there, with a warning: model_loader.load_model)
+            # these layers, quantized at load, hold whole weights and do no all-reduce ("auto" splits a GGUF file's
+            # blocks across the ranks: loader/block_shards.py)
             raise ValueError("quantization is not supported with tensor_parallel_size > 1 "
                              "(pipeline_parallel_size > 1 is: each stage quantizes its own layers)")
         if self.device == "cuda" and self.quantization in ("int8", "int4", "w8a8"):

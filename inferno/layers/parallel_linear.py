@@ -3,7 +3,9 @@
 Column-parallel layers hold a slice of the output features and need no communication: their sharded output feeds
 a row-parallel layer, which holds the matching slice of the input features and sums the partial products of all
 ranks with one all-reduce. Each layer knows which rows (or columns) of the checkpoint tensors it holds and copies
-only those at load time (`weight_loader`), so a rank never keeps the whole weight.
+only those at load time (`weight_loader`), so a rank never keeps the whole weight. Quantized checkpoint blocks are
+cut the same way (`loader/block_shards.py`) and run in the quantized layers; a row-parallel one is wrapped in
+`RowParallelShard` for its all-reduce.
 """
 import torch
 from torch import nn
@@ -73,3 +75,16 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         return out if self.parallel.tp_size == 1 or not self.reduce else self.parallel.all_reduce(out)
+
+
+class RowParallelShard(nn.Module):
+    """A row-parallel layer's shard in another form (a quantized layer of this rank's input `columns`), its partial
+    outputs summed over the ranks as `RowParallelLinear` sums them."""
+
+    def __init__(self, layer: nn.Module, parallel: ParallelRank):
+        super().__init__()
+        self.layer = layer
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce(self.layer(x))

@@ -108,10 +108,6 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 
-def has_quantized_tensors(gguf_file: GGUFFile) -> bool:
-    return any(t.tensor_type not in FLOAT_TYPES for t in gguf_file.tensors)
-
-
 def native_weight(tensor: GGUFTensor, name: str, native: str, tied: bool = True) -> Blocks | None:
     """The tensor's blocks in a form a kernel runs, or None where it is to become float. `native` "auto": every
     quantized projection (Q4_0 / Q4_1 in the int4 layout, Q4_K and Q6_K as stored, the others as Q8 groups), the token

@@ -12,6 +12,7 @@ from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.loader import gguf as gguf_loader
 from inferno.loader import safetensors as hf_loader
+from inferno.loader.block_shards import ACTIVATION_BLOCK, held_shape, rank_blocks
 from inferno.loader.calibration_file import default_calibration_path, read_calibration
 from inferno.loader.tokenizer import Tokenizer
 from inferno.layers.quantization.native import GGUFRows, load_native_layers
@@ -74,10 +75,6 @@ def load_model(path: str | None, dtype: torch.dtype, parallel: ParallelRank = SI
     if p.is_file():
         gguf_file = gguf_loader.open_gguf(path)
         config = gguf_loader.read_config(gguf_file)
-        if quantization == "auto" and parallel.tp_size > 1 and gguf_loader.has_quantized_tensors(gguf_file):
-            logger.warning("tensor_parallel_size=%d: the quantized layers are not split across ranks yet, so the "
-                           "GGUF weights are dequantized to float", parallel.tp_size)
-            quantization = None
         legacy_q4 = quantization in ("int8", "int4") and group_size == 32
         native = "auto" if quantization == "auto" else "q4" if legacy_q4 else "none"
         weights = gguf_loader.iter_weights(gguf_file, config, native)
@@ -195,13 +192,19 @@ def load_weights(model: LlamaForCausalLM,
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
     prequantized = {}
     for name, shards in codes.items():
-        if len(shards) == shards_of[name]:
-            fused = fuse_shards([shards[i][1] for i in sorted(shards)])
-            if fused.shape != params[name].shape:
+        layer = modules[name.rpartition(".")[0]]
+        parts = [rank_blocks(shards[i][1], layer, i) for i in sorted(shards)] if len(shards) == shards_of[name] else []
+        if parts and None not in parts:
+            fused = fuse_shards(parts)
+            if tuple(fused.shape) != held_shape(layer, params[name]):
                 raise ValueError(f"checkpoint codes for {name!r} have shape {tuple(fused.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
+                                 f"expected {held_shape(layer, params[name])}")
             prequantized[name.removesuffix(".weight")] = fused
         else:
+            if parts:
+                logger.warning("%s: the tensor-parallel split falls inside a block of %d input columns, so this "
+                               "layer runs in float (its outputs differ slightly from one process's)", name,
+                               ACTIVATION_BLOCK)
             for shard, (checkpoint_name, w) in shards.items():
                 copy_weight(checkpoint_name, name, w.dequantize(), shard)
     return prequantized

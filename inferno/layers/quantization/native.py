@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from inferno.kernels import Q8_WITH_MINS
+from inferno.layers.parallel_linear import RowParallelLinear, RowParallelShard
 from inferno.layers.quantization.groups import GroupQuantized, PackedInt4, Q8Groups, ZeroPointInt4
 from inferno.layers.quantization.int4 import Int4Linear
 from inferno.layers.quantization.q4_k import Q4KBlocks, Q4KLinear
 from inferno.layers.quantization.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization.q8 import Q8Linear
 from inferno.layers.quantization.super_blocks import ShardedLinear, SuperBlockLinear, SuperBlocks, SuperBlockShards
+from inferno.layers.vocab_parallel import VocabParallelEmbedding
 
 
 @dataclass
@@ -29,6 +31,9 @@ class GGUFRows:
     def shape(self) -> tuple[int, int]:
         block, size = gguf.GGML_QUANT_SIZES[self.qtype]
         return self.raw.shape[0], self.raw.shape[1] // size * block
+
+    def map_rows(self, fn) -> "GGUFRows":
+        return GGUFRows(fn(self.raw), self.qtype)
 
     def q8_groups(self, rows: torch.Tensor | None = None) -> Q8Groups:
         """These rows (all by default) as Q8 groups, exactly."""
@@ -87,27 +92,40 @@ class GGUFRowsEmbedding(nn.Module):
 
 
 def load_native_layers(model: nn.Module, prequantized: dict[str, NativeWeight]) -> None:
-    """Swap each layer named in `prequantized` (the loader's repacked checkpoint blocks) for its native form."""
+    """Swap each layer named in `prequantized` (the loader's repacked checkpoint blocks, a tensor-parallel rank's
+    part of them) for its native form."""
     for name, weight in prequantized.items():
         module = model.get_submodule(name)
         q6_k = isinstance(weight, Q6KBlocks)
         if name == "embed_tokens" and isinstance(weight, GGUFRows):
-            set_submodule(model, name, GGUFRowsEmbedding(weight, module.weight.dtype))
+            install(model, name, GGUFRowsEmbedding(weight, module.weight.dtype))
         elif name == "embed_tokens":
             embedding = (Q6KEmbedding if q6_k else QuantizedEmbedding)(weight, module.weight.dtype)
-            set_submodule(model, name, embedding)
+            install(model, name, embedding)
             if model.config.tie_word_embeddings and model.lm_head is not None:
-                model.lm_head = embedding.as_lm_head()
+                install(model, "lm_head", embedding.as_lm_head())
         elif name == "lm_head":
-            set_submodule(model, name, Q6KLinear(weight) if q6_k else Q8Linear(weight, module.weight.shape[1]))
+            install(model, name, Q6KLinear(weight) if q6_k else Q8Linear(weight, module.weight.shape[1]))
         elif isinstance(weight, SuperBlocks):
-            set_submodule(model, name, super_block_linear(weight, module.bias))
+            install(model, name, super_block_linear(weight, module.bias))
         elif isinstance(weight, SuperBlockShards):
-            set_submodule(model, name, ShardedLinear([super_block_linear(p) for p in weight.parts], module.bias))
+            install(model, name, ShardedLinear([super_block_linear(p) for p in weight.parts], module.bias))
         elif isinstance(weight, (GroupQuantized, PackedInt4, ZeroPointInt4)):
-            set_submodule(model, name, Int4Linear(weight, module.bias, module.in_features))
+            install(model, name, Int4Linear(weight, module.bias, module.in_features))
         else:
-            set_submodule(model, name, Q8Linear(weight, module.in_features, module.bias))
+            install(model, name, Q8Linear(weight, module.in_features, module.bias))
+
+
+def install(model: nn.Module, name: str, layer: nn.Module) -> None:
+    """`layer` in place of the model's layer `name`. Under tensor parallelism a vocabulary layer keeps its place and
+    computes with `layer` (its rows), and a row-parallel one is wrapped to sum the ranks' outputs."""
+    old = model.get_submodule(name)
+    if isinstance(old, VocabParallelEmbedding) and old.parallel.tp_size > 1:
+        old.hold_quantized(layer)
+    elif isinstance(old, RowParallelLinear) and old.parallel.tp_size > 1 and old.reduce:
+        set_submodule(model, name, RowParallelShard(layer, old.parallel))
+    else:
+        set_submodule(model, name, layer)
 
 
 def super_block_linear(weight: SuperBlocks, bias: torch.Tensor | None = None) -> SuperBlockLinear:
