@@ -2,9 +2,12 @@
 from dataclasses import dataclass
 
 
-def even_split(size: int, parts: int, index: int) -> range:
-    """Part `index` of `parts` contiguous pieces of range(size), sizes differing by at most one."""
-    return range(size * index // parts, size * (index + 1) // parts)
+def even_split(size: int, parts: int, index: int, multiple: int = 1) -> range:
+    """Part `index` of `parts` contiguous pieces of range(size), each starting at a multiple of `multiple`, sizes
+    differing by at most `multiple` (the last piece may end with a partial one)."""
+    units = -(-size // multiple)
+    start, stop = units * index // parts * multiple, units * (index + 1) // parts * multiple
+    return range(min(start, size), min(stop, size))
 
 
 @dataclass(frozen=True, slots=True)

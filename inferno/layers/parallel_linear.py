@@ -4,14 +4,15 @@ Column-parallel layers hold a slice of the output features and need no communica
 a row-parallel layer, which holds the matching slice of the input features and sums the partial products of all
 ranks with one all-reduce. Each layer knows which rows (or columns) of the checkpoint tensors it holds and copies
 only those at load time (`weight_loader`), so a rank never keeps the whole weight. Quantized checkpoint blocks are
-cut the same way (`loader/block_shards.py`) and run in the quantized layers; a row-parallel one is wrapped in
-`RowParallelShard` for its all-reduce.
+cut likewise (`loader/block_shards.py`), but a quantized row-parallel layer is cut by output rows and runs on the
+gathered input (`GatheredRowParallel`), so that every output is one process's.
 """
 import torch
 from torch import nn
 
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.partition import even_split, split_heads
+from inferno.kernels import TILE_ROWS
 
 
 def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -68,6 +69,18 @@ class RowParallelLinear(nn.Linear):
         self.parallel = parallel
         self.reduce = reduce
 
+    @property
+    def runs_gathered(self) -> bool:
+        """Quantized, this layer runs as `GatheredRowParallel` (the MoE experts' down_proj, summed by their block
+        before one all-reduce, keeps its input columns)."""
+        return self.parallel.tp_size > 1 and self.reduce
+
+    @property
+    def gathered_rows(self) -> range:
+        """This rank's output rows in `GatheredRowParallel`: whole tiles of TILE_ROWS rows, so that each rank's part
+        is regrouped into tiles (and computed) as one process's is."""
+        return even_split(self.out_features, self.parallel.tp_size, self.parallel.tp_rank, TILE_ROWS)
+
     def weight_loader(self, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         check_shape(name, loaded, (param.shape[0], self.full_in_features))
         param.data.copy_(loaded[:, self.columns.start:self.columns.stop])
@@ -77,14 +90,26 @@ class RowParallelLinear(nn.Linear):
         return out if self.parallel.tp_size == 1 or not self.reduce else self.parallel.all_reduce(out)
 
 
-class RowParallelShard(nn.Module):
-    """A row-parallel layer's shard in another form (a quantized layer of this rank's input `columns`), its partial
-    outputs summed over the ranks as `RowParallelLinear` sums them."""
+class GatheredRowParallel(nn.Module):
+    """A row-parallel layer run as a column-parallel one, for quantized layers whose kernels re-quantize their
+    inputs to int8 (per block of 32 columns): every rank gathers the whole input rows, computes its `rows` of the
+    output with `layer` (those rows of the weight), and the outputs are gathered back. Each output is then the one
+    a single process computes, bit for bit: summing the ranks' partial products would round differently, and the
+    next layer's int8 rounding turns a last-bit difference into up to a logit. A gather is an all-reduce of
+    zero-padded parts (adding zeros is exact): two per layer instead of one."""
 
-    def __init__(self, layer: nn.Module, parallel: ParallelRank):
+    def __init__(self, layer: nn.Module, row_parallel: RowParallelLinear):
         super().__init__()
         self.layer = layer
-        self.parallel = parallel
+        self.parallel = row_parallel.parallel
+        self.columns, self.full_in_features = row_parallel.columns, row_parallel.full_in_features
+        self.rows, self.out_features = row_parallel.gathered_rows, row_parallel.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(self.layer(x))
+        y = self.layer(self.gather(x, self.columns, self.full_in_features))
+        return self.gather(y, self.rows, self.out_features)
+
+    def gather(self, part: torch.Tensor, held: range, size: int) -> torch.Tensor:
+        whole = part.new_zeros(*part.shape[:-1], size)
+        whole[..., held.start:held.stop] = part
+        return self.parallel.all_reduce(whole)

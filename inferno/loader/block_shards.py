@@ -1,13 +1,14 @@
-"""A tensor-parallel rank's part of a layer's quantized checkpoint blocks, cut where the float weight is cut
-(parallel_linear.py, vocab_parallel.py): output rows for column-parallel layers and the vocabulary, input columns
-for row-parallel ones (o_proj, down_proj).
+"""A tensor-parallel rank's part of a layer's quantized checkpoint blocks: output rows for column-parallel layers and
+the vocabulary (parallel_linear.py, vocab_parallel.py, as the float weights are cut), and for row-parallel ones
+(o_proj, down_proj) too: they run on the gathered input (`GatheredRowParallel`), so every output is one process's.
 
-Rows are independent in every form. Input columns are cut at block boundaries only, and only at a multiple of
-ACTIVATION_BLOCK: the kernels quantize activations to int8 per block of 32 columns counted from the row's start, so
-a rank's blocks of x are the single process's blocks with the same scales, each block's integer dot product is the
-same, and only the float sums of the blocks and of the ranks' partial outputs are added in another order. A cut
-inside a K-quant super-block (256 columns) takes the blocks as Q8 groups (the same weights, exactly); a cut inside a
-block of 32 leaves the layer to load as float (`rank_blocks` returns None)."""
+The MoE experts' down_proj keeps its input columns (the block sums its experts' partial outputs before one
+all-reduce). They are cut at block boundaries only, and only at a multiple of ACTIVATION_BLOCK: the kernels quantize
+activations to int8 per block of 32 columns counted from the row's start, so a rank's blocks of x have one
+process's scales and each block's integer dot product is the same; the float sums of the blocks and of the ranks'
+partial outputs are added in another order. A cut inside a K-quant super-block (256 columns) takes the blocks as
+Q8 groups (the same weights, exactly); a cut inside a block of 32 leaves the layer to load as float (`rank_blocks`
+returns None)."""
 import gguf
 import torch
 from torch import nn
@@ -31,15 +32,20 @@ def rank_blocks(blocks: Blocks, layer: nn.Module, shard: int) -> Blocks | None:
         return take_rows(blocks, layer.shards[shard], layer.full_sizes[shard])
     if isinstance(layer, VocabParallelEmbedding):
         return take_rows(blocks, layer.vocab_rows, layer.vocab_size)
+    if isinstance(layer, RowParallelLinear) and layer.runs_gathered:
+        return take_rows(blocks, layer.gathered_rows, layer.out_features)
     if isinstance(layer, RowParallelLinear):
         return take_columns(blocks, layer.columns, layer.full_in_features)
     return blocks
 
 
 def held_shape(layer: nn.Module, param: nn.Parameter) -> tuple[int, ...]:
-    """The shape of a rank's blocks of `layer`: its parameter's, but the vocabulary's rows unpadded."""
+    """The shape of a rank's blocks of `layer`: its parameter's, but the vocabulary's rows unpadded and a gathered
+    row-parallel layer's output rows of every input column."""
     if isinstance(layer, VocabParallelEmbedding):
         return len(layer.vocab_rows), param.shape[1]
+    if isinstance(layer, RowParallelLinear) and layer.runs_gathered:
+        return len(layer.gathered_rows), layer.full_in_features
     return tuple(param.shape)
 
 

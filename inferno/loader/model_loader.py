@@ -194,7 +194,7 @@ def load_weights(model: LlamaForCausalLM,
     for name, shards in codes.items():
         layer = modules[name.rpartition(".")[0]]
         parts = [rank_blocks(shards[i][1], layer, i) for i in sorted(shards)] if len(shards) == shards_of[name] else []
-        if parts and None not in parts:
+        if parts and all(p is not None for p in parts):
             fused = fuse_shards(parts)
             if tuple(fused.shape) != held_shape(layer, params[name]):
                 raise ValueError(f"checkpoint codes for {name!r} have shape {tuple(fused.shape)}, "

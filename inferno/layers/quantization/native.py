@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from inferno.kernels import Q8_WITH_MINS
-from inferno.layers.parallel_linear import RowParallelLinear, RowParallelShard
+from inferno.layers.parallel_linear import GatheredRowParallel, RowParallelLinear
 from inferno.layers.quantization.groups import GroupQuantized, PackedInt4, Q8Groups, ZeroPointInt4
 from inferno.layers.quantization.int4 import Int4Linear
 from inferno.layers.quantization.q4_k import Q4KBlocks, Q4KLinear
@@ -111,21 +111,27 @@ def load_native_layers(model: nn.Module, prequantized: dict[str, NativeWeight]) 
         elif isinstance(weight, SuperBlockShards):
             install(model, name, ShardedLinear([super_block_linear(p) for p in weight.parts], module.bias))
         elif isinstance(weight, (GroupQuantized, PackedInt4, ZeroPointInt4)):
-            install(model, name, Int4Linear(weight, module.bias, module.in_features))
+            install(model, name, Int4Linear(weight, module.bias, input_width(module)))
         else:
-            install(model, name, Q8Linear(weight, module.in_features, module.bias))
+            install(model, name, Q8Linear(weight, input_width(module), module.bias))
 
 
 def install(model: nn.Module, name: str, layer: nn.Module) -> None:
     """`layer` in place of the model's layer `name`. Under tensor parallelism a vocabulary layer keeps its place and
-    computes with `layer` (its rows), and a row-parallel one is wrapped to sum the ranks' outputs."""
+    computes with `layer` (its rows), and a row-parallel one runs on the gathered input (`layer`: its output rows)."""
     old = model.get_submodule(name)
     if isinstance(old, VocabParallelEmbedding) and old.parallel.tp_size > 1:
         old.hold_quantized(layer)
-    elif isinstance(old, RowParallelLinear) and old.parallel.tp_size > 1 and old.reduce:
-        set_submodule(model, name, RowParallelShard(layer, old.parallel))
+    elif isinstance(old, RowParallelLinear) and old.runs_gathered:
+        set_submodule(model, name, GatheredRowParallel(layer, old))
     else:
         set_submodule(model, name, layer)
+
+
+def input_width(module: nn.Module) -> int:
+    """The input features of the native layer that replaces `module`: all of them on gathered input rows."""
+    gathered = isinstance(module, RowParallelLinear) and module.runs_gathered
+    return module.full_in_features if gathered else module.in_features
 
 
 def super_block_linear(weight: SuperBlocks, bias: torch.Tensor | None = None) -> SuperBlockLinear:
