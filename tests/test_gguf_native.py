@@ -11,14 +11,15 @@ from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
 from inferno.cpu_features import has_native_bfloat16
 from inferno.distributed.parallel_state import ParallelRank
-from inferno.layers.parallel_linear import GatheredRowParallel
+from inferno.layers.parallel_linear import GatheredRowParallel, RowParallelLinear
 from inferno.layers.quantization.native import GGUFRowsEmbedding, QuantizedEmbedding
-from inferno.layers.quantization.q4_k import Q4KLinear
-from inferno.layers.quantization.q6_k import Q6KEmbedding, Q6KLinear
+from inferno.layers.quantization.q4_k import Q4KBlocks, Q4KLinear
+from inferno.layers.quantization.q6_k import Q6KBlocks, Q6KEmbedding, Q6KLinear
 from inferno.layers.quantization.int4 import Int4Linear
 from inferno.layers.quantization.q8 import Q8Linear
 from inferno.layers.quantization.super_blocks import ShardedLinear
-from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, int4_groups, q8_groups
+from inferno.loader.block_shards import rank_blocks
+from inferno.loader.gguf_blocks import INT4_TYPES, Q8_TYPES, Int4Blocks, as_q8_groups, int4_groups, q8_groups
 from inferno.loader.model_loader import load_model
 from tiny_gguf import HEADS, HIDDEN, KV_HEADS, T, random_blocks, write_tiny_gguf
 from tiny_models import write_gguf, write_hf_model
@@ -227,6 +228,25 @@ def test_tensor_parallel_ranks_compute_one_process_outputs(tmp_path, qtype):
         ids = torch.tensor([rows.start, rows.stop - 1])
         assert torch.equal(rank.embed_tokens.embed(ids - rows.start), single.embed_tokens(ids))
         assert torch.equal(rank.lm_head.quantized(x), single.lm_head(x)[:, rows.start:rows.stop])
+
+
+@pytest.mark.parametrize("split", [128, 256])  # inside a K-quant super-block, at its end
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_expert_down_proj_ranks_keep_whole_activation_blocks(qtype, split):
+    """A MoE expert's down_proj (its block sums the experts before one all-reduce) keeps its input columns, cut at
+    whole blocks of 32: each rank's int8 activation blocks are one process's, so the ranks' partial outputs add up
+    to one process's up to float rounding (a scale per rank's half of a row would be off by the activations'
+    quantization error, about 0.5%)."""
+    raw = torch.from_numpy(random_blocks(qtype, 32, 512, np.random.default_rng(0)))
+    blocks = {T.Q4_1: Int4Blocks(raw, T.Q4_1), T.Q4_K: Q4KBlocks(raw), T.Q6_K: Q6KBlocks(raw)}.get(qtype) \
+        or q8_groups(raw, qtype)
+    layer = lambda b: Q8Linear(as_q8_groups(b, 16 if qtype == T.Q6_K else 32), b.shape[1])  # noqa: E731
+    parts = [rank_blocks(blocks, RowParallelLinear(512, columns, 32, ParallelRank(r, tp_size=2), reduce=False), 0)
+             for r, columns in enumerate([range(0, split), range(split, 512)])]
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    expected = layer(blocks)(x)
+    y = layer(parts[0])(x[:, :split]) + layer(parts[1])(x[:, split:])
+    assert (y - expected).abs().max() < 1e-5 * expected.abs().max()
 
 
 def test_each_pipeline_stage_keeps_its_own_layers_quantized(tmp_path):
