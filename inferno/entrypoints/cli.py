@@ -73,9 +73,9 @@ ENGINE_FLAGS: dict[str, dict] = {
     "speculative_config": dict(type=speculative_config, help=(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
-        '"num_speculative_tokens": 4}\' or \'{"method": "medusa", "model": "heads/", "num_speculative_tokens": 3}\'; '
-        'policy keys "disable_by_batch_size" (default 4, null: never) and '
-        '"draft_acceptance_threshold" (default 0.3 for ngram and medusa, 0.5 for draft_model; 0: off)')),
+        '"num_speculative_tokens": 4}\' or \'{"method": "medusa" (or "eagle"), "model": "heads/", '
+        '"num_speculative_tokens": 3}\'; policy keys "disable_by_batch_size" (default 4, null: never) and '
+        '"draft_acceptance_threshold" (default 0.3 for ngram, medusa and eagle, 0.5 for draft_model; 0: off)')),
     "kv_role": dict(choices=KV_ROLES, help="disaggregated serving: prefill instances compute prompts, decode instances "
                                            "pull their KV cache and decode (put `inferno proxy` in front)"),
     "kv_host": dict(help="prefill: the address decode instances reach its KV cache at (default: 127.0.0.1)"),
