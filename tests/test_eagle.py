@@ -222,7 +222,7 @@ def trained_head(cycle_model, tmp_path_factory) -> tuple[str, float]:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         main(["train-draft-heads", cycle_model[0], "--method", "eagle", "--prompts", str(prompts), "--output",
-              str(output), "--max-tokens", "24", "--epochs", "12", "--learning-rate", "0.003", "--batch-size", "256",
+              str(output), "--max-tokens", "24", "--epochs", "6", "--learning-rate", "0.003", "--batch-size", "256",
               "--held-out-fraction", "0.2", "--kv-cache-memory", str(32 << 20)])
     return str(output), float(printed.getvalue().split("per head:")[1].split()[0])
 
