@@ -136,7 +136,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int  # ngram: shortest suffix to look up
     prompt_lookup_max: int  # ngram: longest suffix to look up
-    model: str | None  # draft_model: GGUF file or HF folder sharing the target's tokenizer; medusa, eagle: the heads' folder
+    # draft_model: GGUF file or HF folder sharing the target's tokenizer; medusa, eagle: the heads' folder
+    model: str | None
     disable_by_batch_size: int | None
     draft_acceptance_threshold: float
 

@@ -1,5 +1,6 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come; `inferno serve`;
-`inferno calibrate` (SmoothQuant factors for quantization w8a8); `inferno train-draft-heads` (Medusa and EAGLE heads)."""
+`inferno calibrate` (SmoothQuant factors for quantization w8a8); `inferno train-draft-heads` (Medusa and EAGLE
+heads)."""
 import argparse
 import json
 import logging

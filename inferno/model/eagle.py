@@ -62,8 +62,8 @@ class EagleHead(nn.Module):
         rotations = self.rotary.rotations(torch.arange(t))
         q, k = (apply_rotary(z.flatten(0, 1), rotations.repeat(b, 1, 1, 1)).view(z.shape) for z in (q, k))
         scale = attn.attn.scale
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=scale, enable_gqa=attn.num_heads != attn.num_kv_heads)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             scale=scale, enable_gqa=attn.num_heads != attn.num_kv_heads)
         x = x + F.linear(out.transpose(1, 2).flatten(2), attn.o_proj.weight, attn.o_proj.bias)
         if layer.pre_feedforward_layernorm is not None or not hasattr(layer.mlp, "gate_up_proj"):
             raise ValueError("training EAGLE heads supports Llama-shaped layers (one norm before a dense MLP)")

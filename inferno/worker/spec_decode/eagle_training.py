@@ -54,7 +54,8 @@ def train_eagle_head(runner: ModelRunner, sequences: list[TrainingSequence], con
     lm_head.weight = torch.nn.Parameter(dense_lm_head(runner).cpu(), requires_grad=False)
     fit(head, lm_head, train, test, config)
     tensors = hf_tensors(head)
-    return EagleFolder(eagle_config_json(layer_config, True, base_model), tensors), [held_out_accuracy(head, lm_head, test)]
+    accuracy = held_out_accuracy(head, lm_head, test)
+    return EagleFolder(eagle_config_json(layer_config, True, base_model), tensors), [accuracy]
 
 
 def batches(examples: list, size: int, generator: torch.Generator | None = None):
@@ -117,7 +118,8 @@ def hf_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
             sizes = [config.num_attention_heads * config.head_dim] + [config.num_key_value_heads * config.head_dim] * 2
             for proj, part, heads in zip("qkv", value.split(sizes),
                                          (config.num_attention_heads, config.num_key_value_heads, None)):
-                tensors[name.replace("qkv_proj", f"{proj}_proj")] = part if heads is None else _rotate_half_rows(part, heads)
+                part = part if heads is None else _rotate_half_rows(part, heads)
+                tensors[name.replace("qkv_proj", f"{proj}_proj")] = part
         elif ".gate_up_proj." in name:
             gate, up = value.chunk(2)
             tensors[name.replace("gate_up_proj", "gate_proj")] = gate

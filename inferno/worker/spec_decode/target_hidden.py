@@ -34,7 +34,8 @@ class TargetHiddenStates:
 
     def take(self, request_id: str, start: int, end: int, template: torch.Tensor) -> torch.Tensor:
         """States [end - start, hidden] of positions start..end-1 (zeros where none were kept: positions the target
-        did not run for this request, such as a prefix-cache hit), and forget every kept position before `end`. `template`: a tensor of the states' width, dtype and device."""
+        did not run for this request, such as a prefix-cache hit), and forget every kept position before `end`.
+        `template`: a tensor of the states' width, dtype and device."""
         out = template.new_zeros(end - start, template.shape[-1])
         run = self.runs.get(request_id)
         if run is not None:
