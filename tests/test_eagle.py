@@ -20,7 +20,7 @@ from inferno.worker.input_batch import TokenChunk, lay_out_chunks
 from inferno.worker.model_runner import kv_bytes_per_block
 from inferno.worker.spec_decode.eagle import build_eagle_head
 from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
-from test_spec_heads import cycle_model, write_cycle_model  # noqa: F401 (fixture)
+from test_spec_heads import cycle_model, write_training_prompts  # noqa: F401 (fixture)
 
 K = 3
 
@@ -194,7 +194,8 @@ def test_greedy_with_an_eagle_head_matches_plain_decoding_alone_and_in_batch(eag
 
 def test_eagle_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, model_path, smol_head, prompts,
                                                                           reference):
-    """Prompts cut into chunks of 32 tokens, and 10 KV blocks: the prompts fit, their outputs do not."""
+    """Prompts cut into chunks of 32 tokens, and 10 KV blocks (11 target blocks' bytes, shared with the head's
+    cache): the prompts fit, their outputs do not."""
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
     cramped = LLM(model_path, kv_cache_memory=11 * block_bytes, max_num_batched_tokens=32,
                   speculative_config=eagle(smol_head), **FLOAT32)
@@ -213,15 +214,11 @@ def test_seeded_sampling_with_eagle_is_reproducible_in_any_batch(eagle_llm, prom
 
 @pytest.fixture(scope="module")
 def trained_head(cycle_model, tmp_path_factory) -> tuple[str, float]:
-    words = "the cat sat on a mat and ran to the red house by the river where fish swim all day".split()
-    prompts = tmp_path_factory.mktemp("eagle_prompts") / "prompts.jsonl"
-    lines = [{"prompt": " ".join(words[i:] + words[:i])} for i in range(len(words))]
-    lines += [{"messages": [{"role": "user", "content": w}]} for w in words[:4]]
-    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    prompts = write_training_prompts(tmp_path_factory.mktemp("eagle_prompts"))
     output = tmp_path_factory.mktemp("eagle_trained") / "head"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        main(["train-draft-heads", cycle_model[0], "--method", "eagle", "--prompts", str(prompts), "--output",
+        main(["train-draft-heads", cycle_model[0], "--method", "eagle", "--prompts", prompts, "--output",
               str(output), "--max-tokens", "24", "--epochs", "6", "--learning-rate", "0.003", "--batch-size", "256",
               "--held-out-fraction", "0.2", "--kv-cache-memory", str(32 << 20)])
     return str(output), float(printed.getvalue().split("per head:")[1].split()[0])
