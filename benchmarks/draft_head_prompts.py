@@ -7,6 +7,7 @@ questions other than the benchmark's. Writes JSON lines of chat messages.
         --prompts /tmp/heads-prompts.jsonl --output /tmp/qwen-1.5b-medusa --max-tokens 256
     python benchmarks/spec_decode.py --target models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
         --heads /tmp/qwen-1.5b-medusa --skip-default-model
+(the same with --method eagle for an EAGLE head: --output /tmp/qwen-1.5b-eagle, then --method eagle --heads ...)
 """
 import argparse
 import json

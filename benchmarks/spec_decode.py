@@ -2,7 +2,7 @@
 
 Engines (all loaded first, then measured in turns so that slow drifts of the machine hit every configuration
 alike): the target --target (Qwen2.5-Coder-1.5B) plain, with n-gram, with the draft model --draft
-(Qwen2.5-Coder-0.5B) and with the speculative heads --heads (--method medusa); the default model (SmolLM2-135M) plain and with n-gram. Speculating engines are also measured
+(Qwen2.5-Coder-0.5B) and with the speculative heads --heads (--method medusa or eagle); the default model (SmolLM2-135M) plain and with n-gram. Speculating engines are also measured
 with their speculation policy changed, to show what it saves: "no batch switch" (disable_by_batch_size None;
 concurrent only, batch 1 is the same) and "policy off" (also draft_acceptance_threshold 0: always
 num_speculative_tokens drafts).
@@ -212,11 +212,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-spec-tokens", type=int, default=5, help="n-gram drafts per step")
     parser.add_argument("--num-draft-tokens", type=int, default=5, help="draft-model drafts per step")
-    parser.add_argument("--method", default="medusa", choices=["medusa"], help="the kind of --heads")
+    parser.add_argument("--method", default="medusa", choices=["medusa", "eagle"], help="the kind of --heads")
     parser.add_argument("--heads", default=None, help="a folder of speculative heads for --target (written by "
                                                       "`inferno train-draft-heads`, benchmarks/draft_head_prompts.py)")
-    parser.add_argument("--num-head-tokens", type=int, default=3, help="drafts per step from --heads (at most "
-                                                                       "its number of heads)")
+    parser.add_argument("--num-head-tokens", type=int, default=3, help="drafts per step from --heads (Medusa: at "
+                                                                       "most its number of heads)")
     parser.add_argument("--draft-acceptance-threshold", type=float, default=None, help="default: the config's")
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=2)

@@ -99,9 +99,9 @@ class ModelConfig:
         return self.sliding_window if self.sliding_layers is None or all(self.sliding_layers) else None
 
 
-SPEC_METHODS = ("ngram", "draft_model", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
 # methods whose "model" is a folder of heads over the target's own hidden states (no second model)
-HEAD_METHODS = ("medusa",)
+HEAD_METHODS = ("medusa", "eagle")
 # defaults of the speculation policy (benchmarks/spec_decode.py): batch 1 verifies a few extra tokens almost for
 # free, while in a large batch a step's cost grows with its tokens (the matmuls are compute-bound there), so
 # verifying drafts costs more throughput than the accepted tokens bring. Requests whose drafts are mostly rejected
@@ -109,8 +109,8 @@ HEAD_METHODS = ("medusa",)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # a draft position pays when its chance of acceptance outweighs its cost: the extra row verified for n-gram drafts,
 # that plus a pass of the draft model (a sizeable share of a target step) for a draft model; Medusa's heads cost
-# a few small matmuls and one LM head pass per draft
-DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = {"ngram": 0.3, "draft_model": 0.5, "medusa": 0.3}
+# a few small matmuls and one LM head pass per draft, an EAGLE head one decoder layer and an LM head pass
+DEFAULT_DRAFT_ACCEPTANCE_THRESHOLD = {"ngram": 0.3, "draft_model": 0.5, "medusa": 0.3, "eagle": 0.3}
 
 
 @dataclass(slots=True)
@@ -131,11 +131,13 @@ class SpeculativeConfig:
     Neither changes what is generated: the output is the target's distribution (greedy: the same tokens) whatever
     the number of drafts, though a seeded sampled request's tokens depend on it.
     """
-    method: str  # "ngram" (prompt lookup) | "draft_model" | "medusa" (heads on the target's hidden states)
+    # "ngram" (prompt lookup) | "draft_model" | "medusa" | "eagle" (heads on the target's hidden states)
+    method: str
     num_speculative_tokens: int
     prompt_lookup_min: int  # ngram: shortest suffix to look up
     prompt_lookup_max: int  # ngram: longest suffix to look up
-    model: str | None  # draft_model: GGUF file or HF folder sharing the target's tokenizer; medusa: the heads' folder
+    # draft_model: GGUF file or HF folder sharing the target's tokenizer; medusa, eagle: the heads' folder
+    model: str | None
     disable_by_batch_size: int | None
     draft_acceptance_threshold: float
 
@@ -183,8 +185,9 @@ class SpeculativeConfig:
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots a running request needs beyond its scheduled tokens: where the draft model writes its drafts."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        """KV slots a running request needs beyond its scheduled tokens: where the draft model (or EAGLE head) writes
+        its drafts' K/V."""
+        return self.num_speculative_tokens if self.method in ("draft_model", "eagle") else 0
 
 
 def _is_positive_int(value) -> bool:
@@ -321,6 +324,11 @@ class EngineConfig:
         if self.quantization == "w8a8" and draft:
             raise ValueError("quantization='w8a8' with a draft model is not supported (the draft would need its "
                              "own calibration); use method 'ngram' or another quantization")
+        if (self.speculative_config is not None and self.speculative_config.method == "eagle"
+                and self.tensor_parallel_size * self.pipeline_parallel_size > 1):
+            raise ValueError("an EAGLE head runs with the whole target on one process (it reads the final hidden "
+                             "states of every position and the target's embedding and LM head): tensor_parallel_size "
+                             "and pipeline_parallel_size must be 1 with method 'eagle'")
         if (self.speculative_config is not None and self.speculative_config.method in HEAD_METHODS
                 and self.tensor_parallel_size > 1):
             raise ValueError("speculative heads run on rank 0 with the target's LM head, which tensor parallelism "

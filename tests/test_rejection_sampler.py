@@ -122,7 +122,8 @@ def test_speculative_config_follows_vllm():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram"}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),

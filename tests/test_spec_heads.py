@@ -156,15 +156,20 @@ def cycle_model(llm, tmp_path_factory) -> tuple[str, list[int]]:
     return str(folder), write_cycle_model(folder, llm.get_tokenizer())
 
 
+def write_training_prompts(folder) -> str:
+    """Text and chat prompts for `inferno train-draft-heads` in `folder`; the file's path."""
+    words = "the cat sat on a mat and ran to the red house by the river where fish swim all day".split()
+    lines = [{"prompt": " ".join(words[i:] + words[:i])} for i in range(len(words))]
+    lines += [{"messages": [{"role": "user", "content": w}]} for w in words[:4]]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(folder / "prompts.jsonl")
+
+
 @pytest.fixture(scope="module")
 def trained_heads(cycle_model, tmp_path_factory) -> tuple[str, list[float]]:
     """Heads trained with `inferno train-draft-heads` on text and chat prompts; their folder and the held-out
     top-1 accuracy per head it printed."""
-    words = "the cat sat on a mat and ran to the red house by the river where fish swim all day".split()
-    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    lines = [{"prompt": " ".join(words[i:] + words[:i])} for i in range(len(words))]
-    lines += [{"messages": [{"role": "user", "content": w}]} for w in words[:4]]
-    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    prompts = write_training_prompts(tmp_path_factory.mktemp("prompts"))
     output = tmp_path_factory.mktemp("trained") / "heads"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class HeadTrainingConfig:
-    method: str = "medusa"
-    num_heads: int = 3  # Medusa: head j predicts the token j + 2 positions ahead
-    num_layers: int = 1  # residual blocks per head
+    method: str = "medusa"  # "medusa" | "eagle"
+    num_heads: int = 3  # Medusa: head j predicts the token j + 2 positions ahead (EAGLE: one head)
+    num_layers: int = 1  # Medusa: residual blocks per head (EAGLE: one decoder layer)
     epochs: int = 4
     learning_rate: float = 1e-3
     batch_size: int = 256  # positions per optimizer step
@@ -14,8 +14,8 @@ class HeadTrainingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method != "medusa":
-            raise ValueError(f"train-draft-heads trains method 'medusa' heads, got {self.method!r}")
+        if self.method not in ("medusa", "eagle"):
+            raise ValueError(f"train-draft-heads trains method 'medusa' or 'eagle' heads, got {self.method!r}")
         for name in ("num_heads", "epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -1,5 +1,6 @@
 """Command line: `inferno generate "prompt"` and `inferno chat`, streaming tokens as they come; `inferno serve`;
-`inferno calibrate` (SmoothQuant factors for quantization w8a8); `inferno train-draft-heads` (Medusa heads)."""
+`inferno calibrate` (SmoothQuant factors for quantization w8a8); `inferno train-draft-heads` (Medusa and EAGLE
+heads)."""
 import argparse
 import json
 import logging
@@ -73,9 +74,9 @@ ENGINE_FLAGS: dict[str, dict] = {
     "speculative_config": dict(type=speculative_config, help=(
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "draft.gguf", '
-        '"num_speculative_tokens": 4}\' or \'{"method": "medusa", "model": "heads/", "num_speculative_tokens": 3}\'; '
-        'policy keys "disable_by_batch_size" (default 4, null: never) and '
-        '"draft_acceptance_threshold" (default 0.3 for ngram and medusa, 0.5 for draft_model; 0: off)')),
+        '"num_speculative_tokens": 4}\' or \'{"method": "medusa" (or "eagle"), "model": "heads/", '
+        '"num_speculative_tokens": 3}\'; policy keys "disable_by_batch_size" (default 4, null: never) and '
+        '"draft_acceptance_threshold" (default 0.3 for ngram, medusa and eagle, 0.5 for draft_model; 0: off)')),
     "kv_role": dict(choices=KV_ROLES, help="disaggregated serving: prefill instances compute prompts, decode instances "
                                            "pull their KV cache and decode (put `inferno proxy` in front)"),
     "kv_host": dict(help="prefill: the address decode instances reach its KV cache at (default: 127.0.0.1)"),
@@ -243,16 +244,18 @@ def run_train_draft_heads(args: argparse.Namespace) -> None:
 
 
 def add_train_draft_heads(commands) -> None:
-    train = commands.add_parser("train-draft-heads", help="distil speculative heads (Medusa) from a model on "
-                                                          "prompts it continues itself")
+    train = commands.add_parser("train-draft-heads", help="distil speculative heads (Medusa, EAGLE) from a model "
+                                                          "on prompts it continues itself")
     train.add_argument("model", help="GGUF file or Hugging Face folder: the target the heads will draft for")
-    train.add_argument("--method", default="medusa", choices=["medusa"])
+    train.add_argument("--method", default="medusa", choices=["medusa", "eagle"],
+                       help="medusa: heads on the last hidden state; eagle: one decoder layer run autoregressively")
     train.add_argument("--prompts", required=True, help='JSON lines: {"prompt": "..."} or {"messages": [...]}')
     train.add_argument("--output", "-o", required=True, help="the heads' folder to write")
     defaults = HeadTrainingConfig()
     train.add_argument("--num-heads", type=int, default=defaults.num_heads,
-                       help="heads, so drafts per step at most (head j predicts j + 2 tokens ahead)")
-    train.add_argument("--num-layers", type=int, default=defaults.num_layers, help="residual blocks per head")
+                       help="Medusa: heads, so drafts per step at most (head j predicts j + 2 tokens ahead)")
+    train.add_argument("--num-layers", type=int, default=defaults.num_layers,
+                       help="Medusa: residual blocks per head")
     train.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt")
     train.add_argument("--temperature", type=float, default=0.0,
                        help="of the generated continuations (0: greedy, what greedy serving will see)")

@@ -1,10 +1,12 @@
 """`inferno train-draft-heads`: speculative heads distilled from the target itself. The engine continues the
 prompts (batched), the executor records the target's hidden states over those sequences and trains the heads on
-them, and the heads' folder is written where `speculative_config={"method": "medusa", "model": DIR}` loads it."""
+them, and the heads' folder is written where `speculative_config={"method": "medusa" | "eagle", "model": DIR}` loads
+it."""
 import json
 from pathlib import Path
 
 from inferno.core.head_training import HeadTrainingConfig, TrainingSequence
+from inferno.loader.eagle_folder import EagleFolder, write_eagle_folder
 from inferno.loader.medusa_folder import write_medusa_folder
 from inferno.sampling_params import SamplingParams
 
@@ -44,5 +46,5 @@ def train_draft_heads(llm, prompts: list[dict], output: str | Path, config: Head
     # recording the hidden states writes the KV cache from block 0 on: no cached prefix may stay there
     llm.llm_engine.reset_prefix_cache()
     heads, accuracy = llm.llm_engine.executor.train_draft_heads(sequences, config)
-    write_medusa_folder(output, heads)
+    (write_eagle_folder if isinstance(heads, EagleFolder) else write_medusa_folder)(output, heads)
     return accuracy

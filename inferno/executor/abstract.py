@@ -6,6 +6,7 @@ import torch
 
 from inferno.core.head_training import HeadTrainingConfig, TrainingSequence
 from inferno.core.scheduler_output import DraftOutput, DraftRequest, ModelRunnerOutput, SchedulerOutput
+from inferno.loader.eagle_folder import EagleFolder
 from inferno.loader.medusa_folder import MedusaFolder
 from inferno.lora_request import LoRARequest
 from inferno.worker.input_batch import StepInput
@@ -48,7 +49,7 @@ class Executor(ABC):
         """Per decoder projection: its SmoothQuant factors."""
 
     def train_draft_heads(self, sequences: list[TrainingSequence], config: HeadTrainingConfig
-                          ) -> tuple[MedusaFolder, list[float]]:
+                          ) -> tuple[MedusaFolder | EagleFolder, list[float]]:
         """Speculative heads distilled from the model on `sequences`, and each head's held-out top-1 accuracy."""
         raise ValueError("training draft heads runs on one process: use tensor_parallel_size and "
                          "pipeline_parallel_size 1")

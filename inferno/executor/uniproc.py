@@ -6,8 +6,10 @@ from inferno.core.head_training import HeadTrainingConfig, TrainingSequence
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.executor.abstract import Executor
 from inferno.worker.calibration import calibrate_activations
+from inferno.loader.eagle_folder import EagleFolder
 from inferno.loader.medusa_folder import MedusaFolder
 from inferno.worker.input_batch import StepInput
+from inferno.worker.spec_decode.eagle_training import train_eagle_head
 from inferno.worker.spec_decode.head_training import train_medusa_heads
 from inferno.worker.worker import Worker
 
@@ -28,8 +30,9 @@ class UniProcExecutor(Executor):
         return calibrate_activations(self.model_runner, sequences, smoothing)
 
     def train_draft_heads(self, sequences: list[TrainingSequence], config: HeadTrainingConfig
-                          ) -> tuple[MedusaFolder, list[float]]:
-        return train_medusa_heads(self.model_runner, sequences, config, self.model_path)
+                          ) -> tuple[MedusaFolder | EagleFolder, list[float]]:
+        train = train_eagle_head if config.method == "eagle" else train_medusa_heads
+        return train(self.model_runner, sequences, config, self.model_path)
 
     def is_healthy(self) -> bool:
         return True

@@ -42,6 +42,8 @@ class MicroBatch:
     logit_rows: list[int]  # tokens whose final hidden states become logits (sampling, prompt logprobs)
     pooling_rows: list[int] = field(default_factory=list)  # tokens whose final hidden states are pooled (embeddings)
     lora_ids: list[int] = field(default_factory=list)  # per token, the LoRA adapter it runs with (0: none)
+    # per scheduled chunk: (request id, its first row, its first position, its tokens, drafts included)
+    request_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     @property
     def output_rows(self) -> list[int]:
@@ -142,6 +144,7 @@ def _lay_out(chunks: list[tuple[CachedRequestState, TokenChunk]], sched: Schedul
     for req, chunk in chunks:
         start = _append(mb, chunk, block_size)
         c, n = chunk.start, len(chunk.token_ids)
+        mb.request_rows.append((req.request_id, start, c, n))
         drafts = sched.spec_token_ids.get(req.request_id)
         if req.pooling_params is not None:
             positions = pooled_positions(req.pooling_params, c, n, req.num_prompt_tokens)

@@ -37,6 +37,7 @@ from inferno.worker.kv_cache import available_memory, lazily_zeroed
 from inferno.worker.lora_manager import LoRAManager
 from inferno.worker.pooler import pool
 from inferno.worker.request_state import CachedRequestState, update_states
+from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
 
 
 logger = logging.getLogger("inferno")
@@ -79,6 +80,10 @@ class ModelRunner:
         # None (the default) keeps nothing.
         self.draft_hidden: dict[str, tuple[int, torch.Tensor]] | None = None
         self._logit_hidden: torch.Tensor | None = None  # the last step's logit rows' hidden states, while kept
+        # rank 0, for an EAGLE head, which reads the target's hidden states at every accepted position (not only
+        # the last): None (the default) keeps nothing
+        self.target_hidden: TargetHiddenStates | None = None
+        self._step_hidden: list[tuple[MicroBatch, torch.Tensor]] = []  # this step's, until sampling tells what to keep
         keep_freed_memory()
         # LoRA adapters: stacks on the projections (before the warm-up compiles the decode step with them)
         self.lora = LoRAManager(model, engine_config, device) if engine_config.enable_lora else None
@@ -241,13 +246,14 @@ class ModelRunner:
     def forward_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [step.num_logit_rows, vocab] and the final hidden states of the pooling rows (before the final
         norm) [step.num_pooling_rows, hidden], on rank 0 (the hidden states on every rank of the first stage)."""
+        self._step_hidden = []
         if step.block_copies:
             sources, destinations = torch.tensor(step.block_copies, dtype=torch.long, device=self.device).unbind(1)
             for attn in self.model.attention_layers:
                 attn.copy_blocks(sources, destinations)
         if self.parallel.pp_size == 1:
             batches = step.micro_batches
-            outputs = (self.forward(mb)[mb.output_rows] for mb in batches)
+            outputs = (self._keep_step_hidden(mb, self.forward(mb))[mb.output_rows] for mb in batches)
         elif not self.parallel.is_first_stage:
             run_later_stage(self.forward, step, self.parallel, self.config.hidden_size, self.dtype, self.device)
             return None, None
@@ -266,6 +272,11 @@ class ModelRunner:
         if self.draft_hidden is not None:
             self._logit_hidden = torch.cat(logit_hidden) if logit_hidden else None
         return logits, torch.cat(pooling) if step.num_pooling_rows else None
+
+    def _keep_step_hidden(self, mb: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
+        if self.target_hidden is not None:
+            self._step_hidden.append((mb, hidden))
+        return hidden
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
@@ -387,6 +398,8 @@ class ModelRunner:
             self._verify_drafts(plan, logits, out, bitmasks)
         if self.draft_hidden is not None:
             self._keep_draft_hidden(plan, out)
+        if self.target_hidden is not None:
+            self._keep_target_hidden(plan, out)
         for req, rows, targets in plan.prompt_logprob_rows:
             logprobs = logits[rows].log_softmax(dim=-1)
             result = gather_logprobs(logprobs, torch.tensor(targets, device=self.device),
@@ -408,6 +421,15 @@ class ModelRunner:
         hidden = self._logit_hidden[torch.tensor(rows, dtype=torch.long, device=self.device)] if rows else None
         self.draft_hidden = {rid: (position, hidden[i]) for i, (rid, position) in enumerate(kept)}
         self._logit_hidden = None
+
+    def _keep_target_hidden(self, plan: StepPlan, out: ModelRunnerOutput) -> None:
+        """`target_hidden` gets the hidden states of every position this step ran, but for rejected drafts."""
+        num_kept = {r.request_id: len(out.sampled_token_ids.get(r.request_id, ())) for r in plan.spec_requests}
+        for mb, hidden in self._step_hidden:
+            for request_id, row, start, n in mb.request_rows:
+                self.target_hidden.record(request_id, start, hidden[row:row + num_kept.get(request_id, n)])
+        self.target_hidden.keep_only(self.requests)
+        self._step_hidden = []
 
     def _verify_drafts(self, plan: StepPlan, logits: torch.Tensor, out: ModelRunnerOutput,
                        bitmasks: dict[str, torch.Tensor]) -> None:

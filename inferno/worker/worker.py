@@ -16,21 +16,24 @@ from inferno.worker.kv_connector import KVConnector
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
 from inferno.worker.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
+from inferno.worker.spec_decode.eagle import EagleProposer, head_kv_bytes_per_block, load_eagle_head
 from inferno.worker.spec_decode.medusa import MedusaProposer, load_medusa_heads
 from inferno.worker.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("inferno")
 
 
-def kv_block_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
+def kv_block_bytes(config: EngineConfig, model_config: ModelConfig, eagle_head: ModelConfig | None = None) -> int:
     """Bytes of one block id, counted on the whole model's layers and heads: every rank holds the same block ids,
-    each for its own layers (pipeline) or heads (tensor parallel). A speculative draft model's cache is addressed
-    by the same block ids, so each block id costs the target's and the draft's bytes."""
+    each for its own layers (pipeline) or heads (tensor parallel). A speculative draft model's (or EAGLE head's)
+    cache is addressed by the same block ids, so each block id costs the target's and the draft's bytes."""
     models = [model_config]
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         models.append(read_model_config(spec.model))
-    return sum(kv_bytes_per_block(m, config.block_size, config.kv_cache_dtype) for m in models)
+    head_bytes = 0 if eagle_head is None else head_kv_bytes_per_block(eagle_head, config.block_size,
+                                                                      config.torch_dtype)
+    return head_bytes + sum(kv_bytes_per_block(m, config.block_size, config.kv_cache_dtype) for m in models)
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, block_bytes: int) -> int:
@@ -71,11 +74,13 @@ class Worker:
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.kv_block_bytes = kv_block_bytes(config, loaded.config)
+        spec = config.speculative_config
+        # rank 0 drafts: an EAGLE head, or a draft model (loaded before a GPU's KV cache is sized from the memory left)
+        eagle = (load_eagle_head(spec.model, loaded.config, config.torch_dtype, self.device)
+                 if parallel.rank == 0 and spec is not None and spec.method == "eagle" else None)
+        self.kv_block_bytes = kv_block_bytes(config, loaded.config, None if eagle is None else eagle.config)
         if self.device.type == "cuda":
             loaded.model.to_device(self.device)
-        spec = config.speculative_config
-        # rank 0 drafts (loaded before a GPU's KV cache is sized from the memory left)
         draft = (load_draft_model(spec, config, loaded.config, quantization, self.device)
                  if parallel.rank == 0 and spec is not None and spec.method == "draft_model" else None)
         if self.device.type == "cuda":
@@ -93,6 +98,8 @@ class Worker:
         self.proposer = None  # rank 0, which samples, proposes the drafts
         if draft is not None:
             self.proposer = DraftModelProposer(draft, config, self.num_blocks, self.model_runner.requests, self.device)
+        elif eagle is not None:
+            self.proposer = EagleProposer(eagle, self.model_runner, config)
         elif parallel.rank == 0 and spec is not None and spec.method == "medusa":
             heads = load_medusa_heads(spec.model, loaded.config, config.torch_dtype, self.device)
             self.proposer = MedusaProposer(heads, self.model_runner)

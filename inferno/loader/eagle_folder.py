@@ -1,0 +1,138 @@
+"""The folder of an EAGLE-1/2 head, in the layout vLLM (`EagleLlamaForCausalLM`) and SGLang (`LlamaForCausalLMEagle`)
+load, which is the reference EAGLE repository's: a config.json of the head's one decoder layer (`hidden_size`,
+`intermediate_size`, heads, `vocab_size`, ...) and its weights in `model.safetensors` or `pytorch_model.bin`
+(or sharded `*.safetensors`), named without the `model.` prefix (some folders have it; both load): `fc.weight`
+[hidden, 2 * hidden], `fc.bias` when the fc has one, `layers.0.self_attn.{q,k,v,o}_proj.*`,
+`layers.0.post_attention_layernorm.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`, and optionally
+`embed_tokens.weight` (unused: the target's embedding is shared, as vLLM and SGLang do on one process) and
+`lm_head.weight` (the head's own LM head; without it the target's)."""
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inferno.config import ModelConfig
+
+# the reference repository's folders name the target's architecture; the engines' names say EAGLE
+EAGLE_ARCHITECTURES = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "EagleQwen2ForCausalLM",
+                       "Qwen2ForCausalLMEagle", "EAGLEModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                       "MistralForCausalLM")
+EAGLE3_ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3Speculator")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+VLLM_ARCHITECTURE = "EagleLlamaForCausalLM"
+
+
+@dataclass(slots=True)
+class EagleFolder:
+    config: dict  # config.json
+    tensors: dict[str, torch.Tensor]  # without the `model.` prefix; embed_tokens dropped
+
+    @property
+    def fc_bias(self) -> bool:
+        return "fc.bias" in self.tensors
+
+    @property
+    def own_lm_head(self) -> bool:
+        return "lm_head.weight" in self.tensors
+
+
+def read_eagle_folder(folder: str | Path) -> EagleFolder:
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{folder} is not a folder of an EAGLE head: it has no config.json")
+    config = json.loads(config_path.read_text())
+    architectures = config.get("architectures") or []
+    if any(a in EAGLE3_ARCHITECTURES for a in architectures):
+        raise ValueError(f"{folder} holds an EAGLE-3 head ({architectures[0]}); method 'eagle' runs EAGLE-1/2 heads "
+                         f"(EAGLE-3 is not supported yet)")
+    if architectures and not any(a in EAGLE_ARCHITECTURES for a in architectures):
+        raise ValueError(f"{folder} is not an EAGLE head: its architectures are {architectures}, expected one of "
+                         f"{list(EAGLE_ARCHITECTURES[:4])}")
+    tensors = {name.removeprefix("model."): t for name, t in _read_weights(folder).items()
+               if not name.removeprefix("model.").startswith("embed_tokens.")}
+    if "fc.weight" not in tensors:
+        raise ValueError(f"{folder} is not an EAGLE-1/2 head: its weights have no fc.weight (the [hidden, 2 * hidden] "
+                         f"projection of the token embedding and the target's feature)")
+    layers = sorted({int(m.group(1)) for name in tensors if (m := re.match(r"layers\.(\d+)\.", name))})
+    if layers != [0]:
+        raise ValueError(f"{folder}: an EAGLE head here has one decoder layer (layers.0), its weights have layers "
+                         f"{layers}")
+    unknown = sorted(n for n in tensors if not re.match(r"(fc\.(weight|bias)|lm_head\.weight|layers\.0\.)", n))
+    if unknown:
+        raise ValueError(f"{folder}: EAGLE head tensors {unknown[:5]} have no place in the head")
+    tensors.pop("layers.0.input_layernorm.weight", None)  # the head's layer has no input norm
+    return EagleFolder(config, tensors)
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        path = folder / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+                return load_file(path)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        from safetensors.torch import load_file
+        return {name: t for shard in shards for name, t in load_file(shard).items()}
+    raise ValueError(f"{folder} has no EAGLE head weights: expected {' or '.join(WEIGHT_FILES)}")
+
+
+def eagle_head_config(folder: EagleFolder, target: ModelConfig) -> ModelConfig:
+    """The head's layer's shape: the target's architecture with the folder's sizes, checked against the target
+    (the head reads the target's features and feeds its embedding and LM head)."""
+    config, tensors = folder.config, folder.tensors
+    hidden = config.get("hidden_size", target.hidden_size)
+    fc_shape = tuple(tensors["fc.weight"].shape)
+    if hidden != target.hidden_size or fc_shape != (target.hidden_size, 2 * target.hidden_size):
+        raise ValueError(f"the EAGLE head has hidden size {hidden} (fc {fc_shape}) but the target's is "
+                         f"{target.hidden_size}: the head was trained for another model")
+    vocab = config.get("vocab_size", target.vocab_size)
+    lm_head = tensors.get("lm_head.weight")
+    if vocab != target.vocab_size or (lm_head is not None and lm_head.shape[0] != target.vocab_size):
+        raise ValueError(f"the EAGLE head has a vocabulary of {vocab} tokens but the target has "
+                         f"{target.vocab_size}: the head was trained for another model")
+    heads = config.get("num_attention_heads", target.num_attention_heads)
+    return dataclasses.replace(
+        head_layer_config(target),
+        intermediate_size=config.get("intermediate_size", target.intermediate_size),
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        rms_norm_eps=config.get("rms_norm_eps", target.rms_norm_eps),
+        rope_theta=config.get("rope_theta", target.rope_theta),
+        hidden_act=config.get("hidden_act", target.hidden_act),
+        attention_bias="layers.0.self_attn.q_proj.bias" in tensors,
+        qk_norm="head" if "layers.0.self_attn.q_norm.weight" in tensors else None)
+
+
+def head_layer_config(target: ModelConfig) -> ModelConfig:
+    """One layer of the target's architecture, every layer's kind (no sliding window, a dense MLP)."""
+    return dataclasses.replace(target, num_hidden_layers=1, sliding_window=None, sliding_layers=None, moe=None,
+                               tie_word_embeddings=False)
+
+
+def eagle_config_json(config: ModelConfig, fc_bias: bool, base_model: str | None) -> dict:
+    """config.json of a head whose layer has `config`'s shape, as vLLM reads it."""
+    return {"architectures": [VLLM_ARCHITECTURE], "model_type": "llama", "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+            "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size,
+            "hidden_act": config.hidden_act, "tie_word_embeddings": False, "bias": fc_bias,
+            "base_model_name_or_path": base_model, "torch_dtype": "float32"}
+
+
+def write_eagle_folder(folder: str | Path, head: EagleFolder) -> Path:
+    """vLLM's layout: config.json and model.safetensors, tensors under their HF names."""
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.detach().contiguous().cpu() for name, t in head.tensors.items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(head.config, indent=2) + "\n")
+    return folder

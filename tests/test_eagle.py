@@ -1,0 +1,247 @@
+"""EAGLE heads: the folder layouts vLLM and SGLang load (the head's logits against Hugging Face's decoder layer),
+speculation with them (the output is the target's), and a head trained here (`inferno train-draft-heads --method
+eagle`) whose drafts a tiny model accepts."""
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FLOAT32, assert_all_blocks_free
+from inferno import LLM, SamplingParams
+from inferno.entrypoints.cli import main
+from inferno.layers.attention import select_attention_backend
+from inferno.loader.eagle_folder import read_eagle_folder
+from inferno.loader.safetensors import read_config
+from inferno.model.eagle import EagleHead
+from inferno.worker.input_batch import TokenChunk, lay_out_chunks
+from inferno.worker.model_runner import kv_bytes_per_block
+from inferno.worker.spec_decode.eagle import build_eagle_head
+from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
+from test_spec_heads import cycle_model, write_training_prompts  # noqa: F401 (fixture)
+
+K = 3
+
+
+def eagle(folder, **options) -> dict:
+    return {"method": "eagle", "model": str(folder), "num_speculative_tokens": K, "disable_by_batch_size": None,
+            "draft_acceptance_threshold": 0, **options}
+
+
+def hf_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-6,
+                         max_position_embeddings=256)
+    config._attn_implementation = "eager"
+    layer = LlamaDecoderLayer(config, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    return config, layer
+
+
+def random_head_tensors(layer, hidden: int, vocab: int, fc_bias: bool, lm_head: bool) -> dict[str, torch.Tensor]:
+    tensors = {f"layers.0.{n}": p.detach().clone() for n, p in layer.named_parameters() if "input_layernorm" not in n}
+    tensors["fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.2
+    if fc_bias:
+        tensors["fc.bias"] = torch.randn(hidden) * 0.2
+    if lm_head:
+        tensors["lm_head.weight"] = torch.randn(vocab, hidden)
+    return tensors
+
+
+def reference_logits(config, layer, tensors, embeds, features, lm_head) -> torch.Tensor:
+    """EAGLE-1 in plain torch on HF's decoder layer: LM head(layer(fc([embed; feature]))), no input norm."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    x = torch.cat([embeds, features], dim=-1) @ tensors["fc.weight"].t() + tensors.get("fc.bias", 0)
+    layer.input_layernorm = torch.nn.Identity()
+    t = x.shape[0]
+    positions = torch.arange(t)[None]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    out = layer(x[None], attention_mask=mask, position_ids=positions,
+                position_embeddings=LlamaRotaryEmbedding(config)(x[None], positions))
+    out = out[0] if isinstance(out, tuple) else out
+    return out[0] @ tensors.get("lm_head.weight", lm_head).t()
+
+
+def paged_features(head: EagleHead, embeds, features) -> torch.Tensor:
+    """The head over one sequence on a paged KV cache (the proposer's path): its features at every position."""
+    attn = head.attention
+    attn.backend = select_attention_backend("torch", torch.device("cpu"), 16, attn.num_kv_heads, 4,
+                                            head.config.head_dim, None, False, None)
+    attn.k_cache = torch.zeros(attn.num_kv_heads, 4, 16, head.config.head_dim)
+    attn.v_cache = torch.zeros_like(attn.k_cache)
+    mb = lay_out_chunks([TokenChunk(list(range(len(embeds))), 0, [0, 1, 2, 3])], 16)
+    meta = attn.backend.build_metadata(mb.slot_mapping, mb.decodes, mb.prefills)
+    return head(embeds, features, torch.tensor(mb.positions), meta)
+
+
+@pytest.fixture(scope="module")
+def target_config(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("target")
+    from transformers import LlamaConfig
+    LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256).save_pretrained(folder)
+    return read_config(folder)
+
+
+def write_layout(folder, layout: str, tensors: dict[str, torch.Tensor], config) -> None:
+    """vLLM's (model.safetensors, no prefix), SGLang's / the reference's (pytorch_model.bin, `model.` prefix and
+    the embedding stored beside)."""
+    from safetensors.torch import save_file
+    folder.mkdir()
+    architecture = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}[layout]
+    config_json = config.to_dict() | {"architectures": [architecture]}
+    (folder / "config.json").write_text(json.dumps(config_json))
+    if layout == "vllm":
+        save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors")
+    else:
+        named = {(n if n.startswith("lm_head") else f"model.{n}"): t for n, t in tensors.items()}
+        torch.save(named | {"model.embed_tokens.weight": torch.randn(config.vocab_size, config.hidden_size)},
+                   folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("layout, fc_bias, own_lm_head", [("vllm", False, False), ("sglang", True, False),
+                                                          ("vllm", True, True)])
+def test_folder_layouts_load_a_head_whose_logits_match_the_reference(tmp_path, target_config, layout, fc_bias,
+                                                                     own_lm_head):
+    torch.manual_seed(0)
+    config, layer = hf_layer(32, 48, 4, 2, 90)
+    tensors = random_head_tensors(layer, 32, 90, fc_bias, own_lm_head)
+    write_layout(tmp_path / layout, layout, tensors, config)
+    head = build_eagle_head(read_eagle_folder(tmp_path / layout), target_config)
+    embeds, features, target_lm_head = torch.randn(7, 32), torch.randn(7, 32), torch.randn(90, 32)
+    with torch.no_grad():
+        expected = reference_logits(config, layer, tensors, embeds, features, target_lm_head)
+        lm_head = torch.nn.Linear(32, 90, bias=False)
+        lm_head.weight.copy_(target_lm_head)
+        dense = head.logits(head.forward_dense(embeds[None], features[None])[0], lm_head)
+        paged = head.logits(paged_features(head, embeds, features), lm_head)
+    torch.testing.assert_close(dense, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(paged, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_folders_are_refused_with_a_clear_error(tmp_path, target_config):
+    with pytest.raises(ValueError, match="no config.json"):
+        read_eagle_folder(tmp_path)
+    torch.manual_seed(0)
+    config, layer = hf_layer(32, 48, 4, 2, 90)
+    tensors = random_head_tensors(layer, 32, 90, True, False)
+    write_layout(tmp_path / "good", "vllm", tensors, config)
+    good = json.loads((tmp_path / "good" / "config.json").read_text())
+
+    def folder(name: str, config_json: dict, weights: dict) -> str:
+        from safetensors.torch import save_file
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config_json))
+        save_file({n: t.contiguous() for n, t in weights.items()}, tmp_path / name / "model.safetensors")
+        return tmp_path / name
+
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        read_eagle_folder(folder("eagle3", good | {"architectures": ["LlamaForCausalLMEagle3"]}, tensors))
+    with pytest.raises(ValueError, match="no fc.weight"):
+        read_eagle_folder(folder("medusa", good, {n: t for n, t in tensors.items() if n != "fc.weight"}))
+    with pytest.raises(ValueError, match="one decoder layer"):
+        read_eagle_folder(folder("deep", good, tensors | {"layers.1.post_attention_layernorm.weight": torch.ones(32)}))
+    with pytest.raises(ValueError, match="vocabulary of 91 tokens"):
+        build_eagle_head(read_eagle_folder(folder("vocab", good | {"vocab_size": 91}, tensors)), target_config)
+    config64, layer64 = hf_layer(64, 48, 4, 2, 90)
+    with pytest.raises(ValueError, match="hidden size 64"):
+        build_eagle_head(read_eagle_folder(folder("wide", config64.to_dict(),
+                                                  random_head_tensors(layer64, 64, 90, True, False))), target_config)
+    missing = {n: t for n, t in tensors.items() if "o_proj" not in n}
+    with pytest.raises(ValueError, match="missing tensors"):
+        build_eagle_head(read_eagle_folder(folder("missing", good, missing)), target_config)
+    with pytest.raises(ValueError, match="needs 'model'"):
+        LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tensor_parallel_size=2, speculative_config=eagle(tmp_path / "good"))
+
+
+# speculation on the default model with a random head (its drafts are accepted now and then)
+
+@pytest.fixture(scope="module")
+def smol_head(llm, tmp_path_factory) -> str:
+    config = llm.llm_engine.model_config
+    torch.manual_seed(0)
+    hf_config, layer = hf_layer(config.hidden_size, 256, config.num_attention_heads, config.num_key_value_heads,
+                                config.vocab_size)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(0.1)
+    tensors = random_head_tensors(layer, config.hidden_size, config.vocab_size, True, False)
+    folder = tmp_path_factory.mktemp("smol_eagle") / "head"
+    write_layout(folder, "vllm", tensors, hf_config)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def eagle_llm(model_path, smol_head) -> LLM:
+    return LLM(model_path, kv_cache_memory=64 << 20, speculative_config=eagle(smol_head), **FLOAT32)
+
+
+def test_greedy_with_an_eagle_head_matches_plain_decoding_alone_and_in_batch(eagle_llm, prompts, reference):
+    stats = eagle_llm.llm_engine.spec_decoding_stats
+    assert token_ids(eagle_llm, prompts[:1], greedy()) == reference[:1]
+    assert token_ids(eagle_llm, prompts, greedy()) == reference
+    assert stats.num_draft_tokens_per_pos[K - 1] > 0  # every depth proposed
+    assert_all_blocks_free(eagle_llm.llm_engine)
+
+
+def test_eagle_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, model_path, smol_head, prompts,
+                                                                          reference):
+    """Prompts cut into chunks of 32 tokens, and 10 KV blocks (11 target blocks' bytes, shared with the head's
+    cache): the prompts fit, their outputs do not."""
+    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
+    cramped = LLM(model_path, kv_cache_memory=11 * block_bytes, max_num_batched_tokens=32,
+                  speculative_config=eagle(smol_head), **FLOAT32)
+    assert token_ids(cramped, prompts, greedy()) == reference
+    assert cramped.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_with_eagle_is_reproducible_in_any_batch(eagle_llm, prompts):
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = token_ids(eagle_llm, prompts[:1], seeded)[0]
+    mixed = token_ids(eagle_llm, prompts, [seeded, SamplingParams(temperature=1.0, max_tokens=12), greedy()])[0]
+    assert mixed == alone
+
+
+# a head trained here, on a model whose continuations it can learn
+
+@pytest.fixture(scope="module")
+def trained_head(cycle_model, tmp_path_factory) -> tuple[str, float]:
+    prompts = write_training_prompts(tmp_path_factory.mktemp("eagle_prompts"))
+    output = tmp_path_factory.mktemp("eagle_trained") / "head"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(["train-draft-heads", cycle_model[0], "--method", "eagle", "--prompts", prompts, "--output",
+              str(output), "--max-tokens", "24", "--epochs", "6", "--learning-rate", "0.003", "--batch-size", "256",
+              "--held-out-fraction", "0.2", "--kv-cache-memory", str(32 << 20)])
+    return str(output), float(printed.getvalue().split("per head:")[1].split()[0])
+
+
+def test_trained_head_learns_the_continuations(trained_head):
+    """Held out, the head's top-1 is the next-but-one token at 90% of the continuation positions or more."""
+    folder, accuracy = trained_head
+    assert accuracy >= 0.9, accuracy
+    config = json.loads((Path(folder) / "config.json").read_text())
+    assert config["architectures"] == ["EagleLlamaForCausalLM"]
+    assert not read_eagle_folder(folder).own_lm_head  # it ends in the target's own LM head
+
+
+def test_trained_head_drafts_are_accepted_and_output_is_unchanged(cycle_model, trained_head):
+    folder, cycle = cycle_model
+    plain = LLM(folder, kv_cache_memory=16 << 20, **FLOAT32)
+    spec = LLM(folder, kv_cache_memory=16 << 20, speculative_config=eagle(trained_head[0]), **FLOAT32)
+    prompts = [[5, 6, 7, 8], [cycle[3]], [100, cycle[7], 200]]
+    params = greedy(max_tokens=24)
+    expected = token_ids(plain, prompts, params)
+    assert all(t in cycle for out in expected for t in out)
+    assert token_ids(spec, prompts, params) == expected
+    stats = spec.llm_engine.spec_decoding_stats
+    assert min(stats.acceptance_rate_per_pos) >= 0.75, stats.acceptance_rate_per_pos
+    assert stats.mean_acceptance_length > 3
