@@ -1,9 +1,12 @@
 """Builds inferno's native CPU kernels at install time (pyproject.toml holds everything else): one library per ISA
-level of inferno/cpu_features.py (`inferno/kernels/_kernels_<level>*.so`), all of the kernel files in each, of which
-a process loads the best its CPU runs. A failed build fails the install. INFERNO_BUILD_ISA=avx2,scalar builds only
-those levels (a quicker build for development; the levels left out then run on a lower level)."""
+level of inferno/cpu_features.py (`inferno/kernels/_kernels_<level>*.so`), of which a process loads the best its CPU
+runs. ops.cpp, everything torch-facing, compiles once and is linked into every library; the kernel bodies (the other
+*.cpp files: plain C++, no PyTorch header) compile once per level, with that level's flags; all of them at once, the
+levels side by side. A failed build fails the install. INFERNO_BUILD_ISA=avx2,scalar builds only those levels (a
+quicker build for development; the levels left out then run on a lower level)."""
 import os
 import runpy
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import setup
@@ -13,7 +16,11 @@ ROOT = Path(__file__).parent
 cpu_features = runpy.run_path(str(ROOT / "inferno" / "cpu_features.py"))
 KERNELS = ROOT / "inferno" / "kernels"
 SOURCES = sorted(str(path.relative_to(ROOT)) for path in KERNELS.glob("*.cpp"))
+OPS = str((KERNELS / "ops.cpp").relative_to(ROOT))  # torch-facing: schemas, checks, outputs, threads
+BODIES = [source for source in SOURCES if source != OPS]
 HEADERS = sorted(str(path.relative_to(ROOT)) for path in KERNELS.glob("*.h"))  # an edited header rebuilds too
+BASELINE = cpu_features["ISA_LEVELS"][-1]  # ops.cpp runs on every CPU: built for the lowest level
+OPS_FLAGS = ["-O2", "-g0", *BASELINE.cflags, "-fopenmp"]  # no arithmetic there: -O3 would only take longer
 
 
 def levels_to_build() -> list:
@@ -26,20 +33,49 @@ def levels_to_build() -> list:
 
 
 def kernel_library(level) -> CppExtension:
-    return CppExtension(f"inferno.kernels._kernels_{level.name}", SOURCES, depends=HEADERS,
+    return CppExtension(f"inferno.kernels._kernels_{level.name}", [*BODIES, OPS], depends=HEADERS,
                         extra_compile_args=["-O3", "-g0", *level.cflags, "-fopenmp"], extra_link_args=["-fopenmp"])
 
 
 class BuildKernels(BuildExtension):
-    """Each level's objects in a folder of their own (the sources are the same): a rebuild compiles what changed."""
+    """Every object first, in one go: ops.cpp's once and each level's bodies, each set in a folder of its own and
+    compiled by a ninja run of its own, all the runs side by side (the cores share their jobs); then each level's
+    library is linked from its bodies and ops.cpp's object. A rebuild compiles only what changed."""
+
+    def build_extensions(self):
+        self.objects = {}
+        super().build_extensions()  # adds torch's flags to every extension and puts its ninja compile in place
 
     def build_extension(self, ext):
-        build_temp = self.build_temp
-        self.build_temp = os.path.join(build_temp, ext.name.rpartition(".")[2])
+        if not self.objects:
+            self.objects = self.compile_all()
+        compile_sources = self.compiler.compile
+        self.compiler.compile = lambda sources, **kwargs: list(self.objects[ext.name])
         try:
             super().build_extension(ext)
         finally:
-            self.build_temp = build_temp
+            self.compiler.compile = compile_sources
+
+    def compile_all(self) -> dict[str, list[str]]:
+        include_dirs = self.extensions[0].include_dirs
+        sets = {"ops": ([OPS], OPS_FLAGS)} | {ext.name: (BODIES, ext.extra_compile_args) for ext in self.extensions}
+        jobs = os.environ.get("MAX_JOBS", "")
+        total = int(jobs) if jobs.isdigit() else os.cpu_count() or 1
+        os.environ["MAX_JOBS"] = str(max(1, total // len(sets)))  # per ninja run
+
+        def compile_set(name: str) -> list[str]:
+            sources, flags = sets[name]
+            return self.compiler.compile(sources, output_dir=os.path.join(self.build_temp, name.rpartition(".")[2]),
+                                         include_dirs=include_dirs, debug=self.debug, extra_postargs=flags,
+                                         depends=HEADERS)
+        try:
+            with ThreadPoolExecutor(len(sets)) as pool:
+                objects = dict(zip(sets, pool.map(compile_set, sets)))
+        finally:
+            os.environ["MAX_JOBS"] = jobs
+            if not jobs:
+                del os.environ["MAX_JOBS"]
+        return {ext.name: objects[ext.name] + objects["ops"] for ext in self.extensions}
 
 
 setup(ext_modules=[kernel_library(level) for level in levels_to_build()], cmdclass={"build_ext": BuildKernels})
