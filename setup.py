@@ -5,6 +5,7 @@ runs. ops.cpp, everything torch-facing, compiles once and is linked into every l
 levels side by side. A failed build fails the install. INFERNO_BUILD_ISA=avx2,scalar builds only those levels (a
 quicker build for development; the levels left out then run on a lower level)."""
 import os
+import re
 import runpy
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,16 @@ BODIES = [source for source in SOURCES if source != OPS]
 HEADERS = sorted(str(path.relative_to(ROOT)) for path in KERNELS.glob("*.h"))  # an edited header rebuilds too
 BASELINE = cpu_features["ISA_LEVELS"][-1]  # ops.cpp runs on every CPU: built for the lowest level
 OPS_FLAGS = ["-O2", "-g0", *BASELINE.cflags, "-fopenmp"]  # no arithmetic there: -O3 would only take longer
+# avx2_vnni is avx2 plus AVX-VNNI, which only code under __AVXVNNI__ uses (the other bodies' loops are float math and
+# byte moves, compiled the same with it): it compiles the bodies that name the macro and links avx2's objects of the rest
+BORROWS = {"avx2_vnni": ("avx2", "__AVXVNNI__")}
+
+
+def names_macro(source: Path, macro: str) -> bool:
+    """`source`, or a header of this folder it includes, names `macro` outside comments."""
+    text = source.read_text()
+    return macro in re.sub(r"//.*", "", text) or any(
+        names_macro(KERNELS / header, macro) for header in re.findall(r'#include "(\w+\.h)"', text))
 
 
 def levels_to_build() -> list:
@@ -58,7 +69,12 @@ class BuildKernels(BuildExtension):
 
     def compile_all(self) -> dict[str, list[str]]:
         include_dirs = self.extensions[0].include_dirs
-        sets = {"ops": ([OPS], OPS_FLAGS)} | {ext.name: (BODIES, ext.extra_compile_args) for ext in self.extensions}
+        level_of = {ext.name.rpartition("_kernels_")[2]: ext for ext in self.extensions}
+        borrowed = {name: [source for source in BODIES if not names_macro(ROOT / source, macro)]
+                    for name, (lender, macro) in BORROWS.items() if name in level_of and lender in level_of}
+        sets = {"ops": ([OPS], OPS_FLAGS)} | {
+            ext.name: ([source for source in BODIES if source not in borrowed.get(name, ())], ext.extra_compile_args)
+            for name, ext in level_of.items()}
         jobs = os.environ.get("MAX_JOBS", "")
         total = int(jobs) if jobs.isdigit() else os.cpu_count() or 1
         os.environ["MAX_JOBS"] = str(max(1, total // len(sets)))  # per ninja run
@@ -70,12 +86,15 @@ class BuildKernels(BuildExtension):
                                          depends=HEADERS)
         try:
             with ThreadPoolExecutor(len(sets)) as pool:
-                objects = dict(zip(sets, pool.map(compile_set, sets)))
+                objects = {name: dict(zip(sets[name][0], objs)) for name, objs in zip(sets, pool.map(compile_set, sets))}
         finally:
             os.environ["MAX_JOBS"] = jobs
             if not jobs:
                 del os.environ["MAX_JOBS"]
-        return {ext.name: objects[ext.name] + objects["ops"] for ext in self.extensions}
+        for name, sources in borrowed.items():
+            lender = objects[level_of[BORROWS[name][0]].name]
+            objects[level_of[name].name] |= {source: lender[source] for source in sources}
+        return {ext.name: [*objects[ext.name].values(), *objects["ops"].values()] for ext in self.extensions}
 
 
 setup(ext_modules=[kernel_library(level) for level in levels_to_build()], cmdclass={"build_ext": BuildKernels})
