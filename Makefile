@@ -4,8 +4,9 @@ BIN := $(VENV)/bin
 
 .PHONY: install kernels demo test bench
 
-# The native CPU kernels compile in the last step (ops.cpp once, the kernel bodies once per ISA level), against the torch installed before it
-# (--no-build-isolation: pip would otherwise fetch another torch to build with); a failed build fails it.
+# The native CPU kernels compile in the last step (ops.cpp once, the kernel bodies once per ISA level), against the
+# torch installed before it (--no-build-isolation: pip would otherwise fetch another torch to build with); a failed
+# build fails it.
 $(BIN)/inferno: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
