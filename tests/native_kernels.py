@@ -14,11 +14,20 @@ import pytest
 import torch
 
 from inferno.cpu_features import ISA_LEVELS, supported_isa_levels
+from inferno.kernels import kernel_library
 from inferno.kernels.library import kernels_disabled
 
 ROOT = Path(__file__).resolve().parent.parent
 
 needs_kernels = pytest.mark.skipif(kernels_disabled(), reason="INFERNO_DISABLE_CPP_KERNELS=1")
+
+
+def require_kernels():
+    """Inside a test that runs both paths: skips its native case only under INFERNO_DISABLE_CPP_KERNELS=1, and fails
+    it where the kernel library did not load."""
+    if kernels_disabled():
+        pytest.skip("INFERNO_DISABLE_CPP_KERNELS=1")
+    assert kernel_library() is not None, "the native kernels did not load: see the warning above"
 
 # every ISA level, as a test parameter "level"
 EACH_ISA_LEVEL = pytest.mark.parametrize("level", [level.name for level in ISA_LEVELS])

@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inferno.kernels import paged_attention
 from inferno.layers.attention import Attention
 from inferno.layers.attention.cpu_kernel_backend import CpuKernelAttentionBackend
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
+from native_kernels import EACH_ISA_LEVEL, isa_level_run, needs_kernels, require_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 9, 3, 64, 16, 200
 
@@ -24,8 +24,8 @@ def random_batch(dtype: torch.dtype, seq_lens: list[int], head_dim: int = HEAD_D
 
 def decode(path: str, attn: Attention, q, tables, seq_lens) -> torch.Tensor:
     """The decode rows through one backend's own metadata."""
-    if path == "kernel" and paged_attention() is None:
-        pytest.skip("no C++ compiler: the native kernel is not built")
+    if path == "kernel":
+        require_kernels()
     backend = (CpuKernelAttentionBackend if path == "kernel" else TorchAttentionBackend)(
         BLOCK, KV_HEADS, NUM_BLOCKS, attn.sliding_window)
     group = backend.decode_metadata(torch.zeros(0, dtype=torch.long), tables, seq_lens).decode_groups[0]
@@ -64,6 +64,20 @@ def test_float32_queries_over_a_float16_cache(path, lens):
     out = decode(path, attn, q, tables, seq_lens)
     assert out.dtype == torch.float32
     assert (out - dense_reference(attn, q, tables, seq_lens)).abs().max().item() < 1e-5
+
+
+@needs_kernels
+@EACH_ISA_LEVEL
+def test_each_isa_level_of_the_decode_kernel_matches_dense(tmp_path, level):
+    """The 16-lane path (AVX-512), the 8-lane one (AVX2 + FMA + F16C) and the plain loops: float32 queries over
+    float16 caches, and bfloat16, with a long sequence split over the threads."""
+    batches = [random_batch(torch.float16, [1, 17, 300]), random_batch(torch.bfloat16, [3, 700])]
+    inputs = [(q.float() if attn.k_cache.dtype == torch.float16 else q, attn.k_cache, attn.v_cache, tables, lens,
+               HEAD_DIM ** -0.5) for attn, q, tables, lens in batches]
+    code = "outputs = [torch.ops.inferno.paged_decode_attention(*args) for args in inputs]"
+    outputs = isa_level_run(tmp_path, level, code, inputs)
+    for (attn, _, tables, lens), (q, *_), out, tol in zip(batches, inputs, outputs, (1e-5, 3e-2)):
+        assert (out.float() - dense_reference(attn, q, tables, lens)).abs().max().item() < tol
 
 
 # tiles of whole register rows (4 x 8 floats with AVX2, 8 x 16 with AVX-512), then single vectors for the rest

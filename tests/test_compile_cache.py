@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from inferno.kernels import paged_attention
 from inferno.worker.compile_cache import precompiled_key, read_precompiled, structure, write_precompiled
+from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
 
-pytestmark = pytest.mark.skipif(paged_attention() is None, reason="the compiled decode step needs the native kernel")
+pytestmark = needs_kernels  # the compiled decode step calls the native kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 START = """

@@ -10,6 +10,7 @@ from inferno.kernels import gguf_repack
 from inferno.loader.gguf import open_gguf
 from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.tokenizer import Tokenizer
+from native_kernels import require_kernels
 from tiny_gguf import T, write_tiny_gguf
 
 
@@ -80,8 +81,8 @@ def write_strings(path: Path, strings: list[str]) -> Path:
 @pytest.mark.parametrize("native", [True, False])  # the native walk + bulk decode, or one string at a time
 def test_string_arrays_decode_as_the_reference_reader(tmp_path, native):
     """Empty strings, multi-byte characters and control bytes (the bulk decode splits the whole array at once)."""
-    if native and gguf_repack() is None:
-        pytest.skip("no C++ compiler for the native kernels")
+    if native:
+        require_kernels()
     path = write_strings(tmp_path / "strings.gguf", STRINGS)
     ours = GGUFFile(str(path), gguf_repack().gguf_string_offsets if native else None)
     reference = gguf.GGUFReader(str(path))

@@ -10,7 +10,7 @@ from inferno.layers.quantization.int4 import Int4Linear, pack_int4
 from inferno.layers.quantization.groups import GroupQuantized
 from inferno.loader.gguf_blocks import (INT4_TYPES, Q8_TYPES, int4_groups, int4_rows, pack_int4_shards, q8_groups,
                                         q8_groups_reference)
-from native_kernels import needs_kernels
+from native_kernels import EACH_ISA_LEVEL, isa_level_run, needs_kernels
 from tiny_gguf import T, random_blocks
 
 pytestmark = needs_kernels
@@ -75,6 +75,19 @@ def test_native_q8_groups_equal_the_pytorch_decoding(qtype, shape, valid):
     assert native.mins is None or same_bits(native.mins, expected.mins)
     if valid:
         assert np.array_equal(native.dequantize().numpy(), gguf.quants.dequantize(raw, qtype))
+
+
+@EACH_ISA_LEVEL
+def test_each_isa_level_repacks_the_same_bits(tmp_path, level):
+    """gguf_repack.cpp as each level's library builds it: Q8Groups of every type as PyTorch decodes them."""
+    raws = {int(qtype): torch.from_numpy(raw_blocks(qtype, 7, columns(qtype, 768), True)) for qtype in Q8_TYPES}
+    code = "outputs = {qtype: torch.ops.inferno.gguf_to_q8(raw, qtype) for qtype, raw in inputs.items()}"
+    outputs = isa_level_run(tmp_path, level, code, raws)
+    for qtype, raw in raws.items():
+        expected = q8_groups_reference(raw.numpy(), T(qtype))
+        codes, scales, mins = outputs[qtype]
+        assert same_bits(codes, expected.codes) and same_bits(scales, expected.scales)
+        assert same_bits(mins, expected.mins) if expected.mins is not None else mins.numel() == 0
 
 
 @pytest.mark.parametrize("qtype", INT4_TYPES, ids=lambda t: t.name)

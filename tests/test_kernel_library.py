@@ -142,7 +142,7 @@ def test_inferno_env_reports_what_a_bug_report_needs(capsys):
 
 
 TORCH_HEADERS = ["ATen/Parallel.h", "ATen/core/Tensor.h", "ATen/ops/empty.h", "ATen/ops/empty_like.h",
-                 "torch/library.h"]
+                 "torch/library.h", "torch/headeronly/util/BFloat16.h", "torch/headeronly/util/Half.h"]
 
 
 def intrinsics_outside_guards(source: str, empty_torch: Path) -> list[str]:
@@ -170,3 +170,20 @@ def test_the_scalar_level_uses_no_simd_intrinsics_outside_their_isa_guards(tmp_p
         (tmp_path / header).touch()
     found = {source: intrinsics_outside_guards(source, tmp_path) for source in SOURCES}
     assert found == {source: [] for source in SOURCES}
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to preprocess with")
+def test_only_ops_cpp_includes_pytorch_beyond_its_header_only_float_types():
+    """The kernel bodies, compiled once per ISA level, read none of PyTorch's headers but torch/headeronly's (float16
+    and bfloat16): ATen's would double each one's compile time. ops.cpp, compiled once, is all that is torch-facing."""
+    from torch.utils.cpp_extension import include_paths
+    torch_include = Path(include_paths()[0])
+    for source in SOURCES:
+        if source == "ops.cpp":
+            continue
+        flags = ["-M", "-std=c++17", "-march=x86-64", *(f"-I{path}" for path in include_paths())]
+        deps = subprocess.run(["c++", *flags, str(KERNELS / source)], capture_output=True, text=True, check=True).stdout
+        from_torch = {Path(dep) for dep in deps.replace("\\\n", " ").split() if dep.startswith(str(torch_include))}
+        assert from_torch and all(dep.is_relative_to(torch_include / "torch" / "headeronly") for dep in from_torch), \
+            (source, sorted(from_torch))
+

@@ -51,27 +51,25 @@ inline floatv load(const c10::Half* p) {
 
 inline void store(float* p, floatv v) { std::memcpy(p, &v, sizeof(v)); }
 
-// f(T*) with a null pointer of the C++ type of `dtype`: float32, bfloat16 or float16
+// f(T*) with a null pointer of the C++ type of `dtype`: float32, bfloat16 or float16 (ops.cpp checked it is one)
 template <typename F>
-void dispatch_float_type(at::ScalarType dtype, const char* name, F&& f) {
+void dispatch_float_type(inferno::Dtype dtype, F&& f) {
   switch (dtype) {
-    case at::kFloat: f(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
-    case at::kHalf: f(static_cast<c10::Half*>(nullptr)); break;
-    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16, got ", dtype);
+    case inferno::Dtype::Float: f(static_cast<float*>(nullptr)); break;
+    case inferno::Dtype::BFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
+    case inferno::Dtype::Half: f(static_cast<c10::Half*>(nullptr)); break;
+    default: break;
   }
 }
 
 // f(T*, C*) for attention's queries T and caches C: one type, or float32 queries over float16 caches
 template <typename F>
-void dispatch_query_and_cache(at::ScalarType query, at::ScalarType cache, const char* name, F&& f) {
+void dispatch_query_and_cache(inferno::Dtype query, inferno::Dtype cache, F&& f) {
   if (query != cache) {
-    TORCH_CHECK(query == at::kFloat && cache == at::kHalf, name, ": q and the caches must have one dtype (or a "
-                "float32 q with float16 caches)");
     f(static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
     return;
   }
-  dispatch_float_type(query, name, [&](auto* type) { f(type, type); });
+  dispatch_float_type(query, [&](auto* type) { f(type, type); });
 }
 
 // float32 -> bfloat16 bits, rounded to nearest even as c10::BFloat16 (a NaN stays a NaN)

@@ -7,10 +7,7 @@
 // 2. `gguf_to_q8`: Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 rows -> Q8Groups' signed int8 codes
 //    [N, K], float32 scales [N, K / G] and mins [N, K / G] (an empty tensor for the symmetric types), G = 16 for
 //    Q6_K, else 32.
-// 3. `gguf_string_offsets`: where the strings of a metadata array (a vocabulary, a merge list) start, the sequential
-//    walk over their length prefixes that Python would spend a loop iteration per string on.
-#include "kernel.h"
-
+// (`gguf_string_offsets`, a walk over a metadata array's strings, is in ops.cpp.)
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -21,8 +18,7 @@
 
 namespace {
 
-// ggml's type numbers (gguf.GGMLQuantizationType)
-enum GGMLType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+using namespace inferno::gguf;
 
 constexpr int64_t CHUNK_BLOCKS = 16;  // blocks of 32 per chunk of the int4 layout
 // At least this many output bytes per parallel task: a small tensor is repacked on the calling thread (a parallel
@@ -31,24 +27,6 @@ constexpr int64_t TASK_BYTES = 1 << 18;
 
 inline int64_t row_grain(int64_t row_bytes) {
   return std::max<int64_t>(1, TASK_BYTES / std::max<int64_t>(1, row_bytes));
-}
-
-struct TypeInfo {
-  int64_t block_values, block_bytes;
-};
-
-TypeInfo type_info(int64_t qtype) {
-  switch (qtype) {
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q5_0: return {32, 22};
-    case Q5_1: return {32, 24};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {QK_K, 144};
-    case Q5_K: return {QK_K, 176};
-    case Q6_K: return {QK_K, 210};
-    default: TORCH_CHECK(false, "GGUF tensor type ", qtype, " has no native repacking");
-  }
 }
 
 inline void store_half(uint8_t* p, float v) {
@@ -68,32 +46,21 @@ inline void advise_huge_pages(void* p, int64_t bytes) {
 #endif
 }
 
-// Checks `raw` and returns (rows, blocks per row).
-std::pair<int64_t, int64_t> check_raw(const at::Tensor& raw, const TypeInfo& t) {
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.stride(1) == 1,
-              "raw blocks must be uint8 [rows, bytes per row] with contiguous rows");
-  TORCH_CHECK(raw.size(1) % t.block_bytes == 0, "a row of ", raw.size(1), " bytes is not a whole number of ",
-              t.block_bytes, "-byte blocks");
-  return {raw.size(0), raw.size(1) / t.block_bytes};
-}
+}  // namespace
+
+namespace inferno::cpu {
 
 // ---- 1. the int4 layout ----
 
-// Writes into `packed` (uint8 [rows, K / 2 + 4 * K / 32], contiguous): a fused layer's shards go straight into
-// their rows of one tensor.
-void gguf_to_int4(const at::Tensor& raw, int64_t qtype, at::Tensor& packed) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "gguf_to_int4 takes Q4_0 or Q4_1, got type ", qtype);
-  const TypeInfo t = type_info(qtype);
-  const auto [rows, n] = check_raw(raw, t);
+void gguf_to_int4(const View& raw, int64_t qtype, const View& packed) {
+  const gguf::Blocks t = gguf::blocks_of(qtype);
+  const int64_t rows = raw.size(0), n = raw.size(1) / t.block_bytes;
   const int64_t k = n * t.block_values, groups = k / 32, blocks = groups, code_bytes = k / 2;
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(0) == rows && packed.size(1) == code_bytes + 4 * groups,
-              "packed must be contiguous uint8 [", rows, ", ", code_bytes + 4 * groups, "]");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const int64_t src_stride = raw.stride(0), dst_stride = packed.size(1);
   advise_huge_pages(dst, rows * dst_stride);
-  at::parallel_for(0, rows, row_grain(dst_stride), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, row_grain(dst_stride), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* in = src + r * src_stride;
       uint8_t* out = dst + r * dst_stride;
@@ -125,22 +92,18 @@ void gguf_to_int4(const at::Tensor& raw, int64_t qtype, at::Tensor& packed) {
 
 // ---- 2. Q8Groups ----
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_to_q8(const at::Tensor& raw, int64_t qtype) {
-  const TypeInfo t = type_info(qtype);
-  const auto [rows, n] = check_raw(raw, t);
-  const int64_t k = n * t.block_values, group = qtype == Q6_K ? 16 : 32, groups = k / group;
-  const bool has_mins = qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
-  auto floats = raw.options().dtype(at::kFloat);
-  at::Tensor codes = at::empty({rows, k}, raw.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({rows, groups}, floats);
-  at::Tensor mins = has_mins ? at::empty({rows, groups}, floats) : at::empty({0}, floats);
+void gguf_to_q8(const View& raw, int64_t qtype, const View& codes, const View& scales, const View& mins) {
+  const gguf::Blocks t = gguf::blocks_of(qtype);
+  const int64_t rows = raw.size(0), n = raw.size(1) / t.block_bytes;
+  const int64_t k = n * t.block_values, group = gguf::q8_group(qtype), groups = k / group;
+  const bool has_mins = gguf::q8_has_mins(qtype);
   const uint8_t* src = raw.data_ptr<uint8_t>();
   int8_t* q_out = codes.data_ptr<int8_t>();
   float* s_out = scales.data_ptr<float>();
   float* m_out = has_mins ? mins.data_ptr<float>() : nullptr;
   const int64_t src_stride = raw.stride(0);
   advise_huge_pages(q_out, rows * k);
-  at::parallel_for(0, rows, row_grain(k + 4 * groups * (has_mins ? 2 : 1)), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, row_grain(k + 4 * groups * (has_mins ? 2 : 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* in = src + r * src_stride;
       int8_t* q = q_out + r * k;
@@ -220,38 +183,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_to_q8(const at::Tensor& raw,
       }
     }
   });
-  return {codes, scales, mins};
 }
 
-// `count` strings from byte `pos` of `bytes` (uint8), each a u64 little-endian length and that many bytes -> int64
-// [count + 1]: where each string's bytes start, then the position after the last one. A string running past the
-// end of `bytes` is an error.
-at::Tensor gguf_string_offsets(const at::Tensor& bytes, int64_t pos, int64_t count) {
-  TORCH_CHECK(bytes.dim() == 1 && bytes.scalar_type() == at::kByte && bytes.is_contiguous(),
-              "bytes must be 1-D contiguous uint8");
-  TORCH_CHECK(pos >= 0 && count >= 0, "pos and count must not be negative");
-  const uint8_t* data = bytes.data_ptr<uint8_t>();
-  const uint64_t size = static_cast<uint64_t>(bytes.numel());
-  auto offsets = at::empty({count + 1}, at::kLong);
-  int64_t* out = offsets.data_ptr<int64_t>();
-  uint64_t here = static_cast<uint64_t>(pos);
-  for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(here <= size && size - here >= 8, "a string array runs past the end of the file");
-    uint64_t length;
-    std::memcpy(&length, data + here, sizeof(length));
-    here += 8;
-    TORCH_CHECK(length <= size - here, "a string array runs past the end of the file");
-    out[i] = static_cast<int64_t>(here);
-    here += length;
-  }
-  out[count] = static_cast<int64_t>(here);
-  return offsets;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(inferno, CPU, m) {
-  m.impl("gguf_string_offsets", &gguf_string_offsets);
-  m.impl("gguf_to_int4", &gguf_to_int4);
-  m.impl("gguf_to_q8", &gguf_to_q8);
-}
+}  // namespace inferno::cpu

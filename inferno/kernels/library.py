@@ -1,5 +1,6 @@
-"""The native kernel library: all of the kernel files (*.cpp here) compiled at install by setup.py, once per ISA
-level of inferno/cpu_features.py, as `_kernels_<level>*.so` beside this file. A process loads the best level its CPU
+"""The native kernel library: the kernel files (*.cpp here) compiled at install by setup.py into one library per ISA
+level of inferno/cpu_features.py, `_kernels_<level>*.so` beside this file (the kernel bodies built for that level,
+ops.cpp's torch-facing registration built once and linked into each). A process loads the best level its CPU
 runs under INFERNO_CPU_ISA (only one: each registers the same `torch.ops.inferno` operators), so no start compiles
 C++. INFERNO_NATIVE_KERNELS=1 instead builds one for this very CPU (`-march=native`, cached under
 `kernel_cache_dir()`); INFERNO_DISABLE_CPP_KERNELS=1 runs the PyTorch paths. A library that cannot be loaded is one

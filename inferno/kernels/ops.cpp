@@ -1,19 +1,533 @@
-// The schemas of every `inferno::` operator, in one place: each kernel file registers only its CPU implementations
-// (TORCH_LIBRARY_IMPL), and their shapes for torch.compile are in inferno/kernels/fake_ops.py. TORCH_LIBRARY, not a
-// fragment: a second kernel library in the same process (another ISA level's) fails loudly at load instead of
+// Everything torch-facing of the native kernels, in one file compiled once and linked into every ISA level's
+// library: the schemas of every `inferno::` operator, their CPU implementations (the tensors checked, the outputs
+// made, then the kernel body of this library's level called through entry_points.h), and PyTorch's threads for the
+// bodies (kernel.h). The operators' shapes for torch.compile are in inferno/kernels/fake_ops.py. TORCH_LIBRARY, not
+// a fragment: a second kernel library in the same process (another ISA level's) fails loudly at load instead of
 // replacing the first one's implementations.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <optional>
+#include <tuple>
+
+#include "entry_points.h"
+
+namespace inferno {
+
+int64_t num_threads() { return at::get_num_threads(); }
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain, void (*chunk)(const void*, int64_t, int64_t),
+                  const void* context) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { chunk(context, b, e); });
+}
+
+}  // namespace inferno
+
+namespace {
+
+using at::Tensor;
+using inferno::View;
+namespace cpu = inferno::cpu;
+namespace gguf = inferno::gguf;
+
+inferno::Dtype dtype_of(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return inferno::Dtype::Float;
+    case at::kBFloat16: return inferno::Dtype::BFloat16;
+    case at::kHalf: return inferno::Dtype::Half;
+    case at::kByte: return inferno::Dtype::Byte;
+    case at::kChar: return inferno::Dtype::Char;
+    case at::kLong: return inferno::Dtype::Long;
+    default: return inferno::Dtype::Other;
+  }
+}
+
+View view(const Tensor& t) {
+  TORCH_CHECK(t.dim() <= inferno::kMaxDims, "the native kernels take tensors of up to ", inferno::kMaxDims,
+              " dimensions, got ", t.sizes());
+  View v{t.data_ptr(), dtype_of(t.scalar_type()), t.dim()};
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    v.sizes[d] = t.size(d);
+    v.strides[d] = t.stride(d);
+  }
+  return v;
+}
+
+bool is_float_type(at::ScalarType type) { return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf; }
+
+void check_float_type(at::ScalarType type, const char* name) {
+  TORCH_CHECK(is_float_type(type), name, ": float32, bfloat16 or float16, got ", type);
+}
+
+void check_x(const Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
+}
+
+Tensor matmul_output(const Tensor& x, int64_t n) { return at::empty({x.size(0), n}, x.options()); }
+
+Tensor dequantized(int64_t n, int64_t k, at::ScalarType dtype, const at::TensorOptions& options) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
+  return at::empty({n, k}, options.dtype(dtype));
+}
+
+// ---- attention (paged_attention.cpp, prefill_attention.cpp) ----
+
+// q [B, H, D]; caches [KVH, num_blocks, block_size, D]; block_tables [B, W] int64; seq_lens [B] int64;
+// D a multiple of 16, at most 256; window > 0: only the last `window` keys of each sequence
+Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                              const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong, "seq_lens: int64");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || (q.scalar_type() == at::kFloat &&
+                                                           k_cache.scalar_type() == at::kHalf),
+              "q and the caches must have one dtype (or a float32 q with float16 caches)");
+  check_float_type(q.scalar_type(), "paged_decode_attention");
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256, "head_dim must be a multiple of 16 up to 256, got ", q.size(2));
+  auto out = at::empty_like(q);
+  cpu::paged_decode_attention(view(q), view(k_cache), view(v_cache), view(block_tables), view(seq_lens), scale, window,
+                              view(out));
+  return out;
+}
+
+// q [n, H, D]: the chunk's queries at positions num_computed .. num_computed + n - 1; k, v [n, KVH, D] (head_dim
+// contiguous): the chunk's K/V as computed, also written to the caches [KVH, num_blocks, block_size, D], which
+// hold the context before it; block_table [W] int64 covering every position; D a multiple of 16; window > 0: each
+// query sees only the last `window` keys up to itself
+Tensor paged_prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                               const Tensor& v_cache, const Tensor& block_table, int64_t num_computed, double scale,
+                               int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "q [n, H, D], caches [KVH, B, S, D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == k_cache.size(0) &&
+              k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1,
+              "k, v: the chunk's [n, KVH, D], head_dim contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: q's dtype");
+  TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kLong, "block_table: int64");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of the kv heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || (q.scalar_type() == at::kFloat &&
+                                                           k_cache.scalar_type() == at::kHalf),
+              "q and the caches must have one dtype (or a float32 q with float16 caches)");
+  check_float_type(q.scalar_type(), "paged_prefill_attention");
+  TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16, got ", q.size(2));
+  TORCH_CHECK(num_computed >= 0 && block_table.size(0) * k_cache.size(2) >= num_computed + q.size(0),
+              "the block table must cover every position of the chunk");
+  auto out = at::empty_like(q);
+  cpu::paged_prefill_attention(view(q), view(k), view(v), view(k_cache), view(v_cache), view(block_table),
+                               num_computed, scale, window, view(out));
+  return out;
+}
+
+// ---- group-wise int8, Q8 groups and int4 weights (quantized_gemv.cpp) ----
+
+void check_weight(const Tensor& codes, const Tensor& scales, const Tensor& mins, int64_t group_size) {
+  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && mins.dim() == 2, "codes, scales and mins must be 2-D");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat,
+              "scales and mins must be float32 and codes uint8");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
+              "codes, scales and mins must be contiguous");
+  TORCH_CHECK(group_size > 0, "group_size must be positive, got ", group_size);
+  const int64_t n = codes.size(0), k = codes.size(1), groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups && mins.sizes() == scales.sizes(),
+              "scales and mins must be [", n, ", ", groups, "] for ", k, " columns in groups of ", group_size);
+}
+
+// x [M, K] float32; codes [N, K] uint8; scales, mins [N, ceil(K / group_size)] float32 -> [M, N] float32
+Tensor int8_group_matmul(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& mins,
+                         int64_t group_size) {
+  check_x(x);
+  check_weight(codes, scales, mins, group_size);
+  TORCH_CHECK(codes.size(1) == x.size(1), "x has ", x.size(1), " columns but codes have ", codes.size(1));
+  auto y = matmul_output(x, codes.size(0));
+  cpu::int8_group_matmul(view(x), view(codes), view(scales), view(mins), group_size, view(y));
+  return y;
+}
+
+// codes [N, K] uint8; scales, mins [N, ceil(K / group_size)] float32 -> W [N, K] float32 (for a dense GEMM)
+Tensor int8_group_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& mins, int64_t group_size) {
+  check_weight(codes, scales, mins, group_size);
+  auto w = at::empty({codes.size(0), codes.size(1)}, scales.options());
+  cpu::int8_group_dequantize(view(codes), view(scales), view(mins), group_size, view(w));
+  return w;
+}
+
+void check_q8_weight(const Tensor& codes, const Tensor& scales, const std::optional<Tensor>& mins,
+                     int64_t group_size) {
+  TORCH_CHECK(group_size == 16 || group_size == 32, "group_size must be 16 or 32, got ", group_size);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) % 32 == 0,
+              "codes must be 2-D, int8, contiguous, a multiple of 32 columns");
+  const int64_t n = codes.size(0), groups = codes.size(1) / group_size;
+  for (const Tensor* t : {&scales, mins ? &*mins : nullptr})
+    TORCH_CHECK(t == nullptr || (t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                                 t->size(0) == n && t->size(1) == groups),
+                "scales and mins must be float32 [", n, ", ", groups, "]");
+}
+
+// x [M, K] float32; codes [N, K] int8; scales, mins [N, K / group_size] float32 -> [M, N] float32
+Tensor int8_q8_matmul(const Tensor& x, const Tensor& codes, const Tensor& scales, const std::optional<Tensor>& mins,
+                      int64_t group_size) {
+  check_x(x);
+  check_q8_weight(codes, scales, mins, group_size);
+  TORCH_CHECK(codes.size(1) == x.size(1), "x has ", x.size(1), " columns but codes have ", codes.size(1));
+  auto y = matmul_output(x, codes.size(0));
+  const std::optional<View> min_view = mins ? std::optional<View>(view(*mins)) : std::nullopt;
+  cpu::int8_q8_matmul(view(x), view(codes), view(scales), min_view ? &*min_view : nullptr, group_size, view(y));
+  return y;
+}
+
+// codes [N, K] int8; scales, mins [N, K / group_size] float32 -> W [N, K] = codes * scales (+ mins) in `dtype`
+Tensor int8_q8_dequantize(const Tensor& codes, const Tensor& scales, const std::optional<Tensor>& mins,
+                          int64_t group_size, at::ScalarType dtype) {
+  check_q8_weight(codes, scales, mins, group_size);
+  auto w = dequantized(codes.size(0), codes.size(1), dtype, scales.options());
+  const std::optional<View> min_view = mins ? std::optional<View>(view(*mins)) : std::nullopt;
+  cpu::int8_q8_dequantize(view(codes), view(scales), min_view ? &*min_view : nullptr, group_size, view(w));
+  return w;
+}
+
+void check_int4_rows(const Tensor& packed, int64_t k, int64_t group_size) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == inferno::int4_row_bytes(k, group_size),
+              "packed must be uint8 [N, ", inferno::int4_row_bytes(k, group_size), "] for ", k, " columns");
+}
+
+// x [M, K] float32, K a multiple of group_size (32, 64 or 128); packed [N, int4_row_bytes] uint8 (the int4 layout
+// of quantized_gemv.cpp, its second float16 per group a zero point when `zero_points`) -> [M, N] float32
+Tensor int4_q8_matmul(const Tensor& x, const Tensor& packed, int64_t group_size, bool zero_points) {
+  check_x(x);
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, "group_size must be 32, 64 or 128, got ",
+              group_size);
+  TORCH_CHECK(x.size(1) % group_size == 0, "x needs a multiple of group_size columns, got ", x.size(1));
+  check_int4_rows(packed, x.size(1), group_size);
+  auto y = matmul_output(x, packed.size(0));
+  cpu::int4_q8_matmul(view(x), view(packed), group_size, zero_points, view(y));
+  return y;
+}
+
+void check_int4_groups(int64_t k, int64_t group_size) {
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0,
+              "group_size must be a multiple of 32 and k of group_size, got ", group_size, " and ", k);
+}
+
+// packed [N, int4_row_bytes] uint8 -> W [N, K] in `dtype`, w = code * d + min computed in float32
+Tensor int4_dequantize(const Tensor& packed, int64_t k, int64_t group_size, at::ScalarType dtype, bool zero_points) {
+  check_int4_groups(k, group_size);
+  check_int4_rows(packed, k, group_size);
+  auto w = dequantized(packed.size(0), k, dtype, packed.options());
+  cpu::int4_dequantize(view(packed), k, group_size, zero_points, view(w));
+  return w;
+}
+
+void check_tile_rows(int64_t n, const char* type) {
+  TORCH_CHECK(n % inferno::TILE_ROWS == 0, type, " tiles take a multiple of ", inferno::TILE_ROWS, " rows, got ", n);
+}
+
+// packed [N, int4_row_bytes] uint8 (N a multiple of 16) -> tiles [N / 16, K / 32 * 320] uint8
+Tensor int4_tile(const Tensor& packed, int64_t k, int64_t group_size) {
+  check_int4_groups(k, group_size);
+  check_int4_rows(packed, k, group_size);
+  check_tile_rows(packed.size(0), "int4");
+  auto tiles = at::empty({packed.size(0) / inferno::TILE_ROWS, k / 32 * inferno::INT4_TILE_BLOCK_BYTES},
+                         packed.options());
+  cpu::int4_tile(view(packed), k, group_size, view(tiles));
+  return tiles;
+}
+
+// x [M, K] float32 times tiles [N / 16, K / span * tile_block_bytes] uint8: checked, and y [M, N] float32 made
+Tensor tiles_output(const Tensor& x, const Tensor& tiles, int64_t tile_block_bytes, int64_t span, const char* type) {
+  check_x(x);
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+              tiles.size(1) % tile_block_bytes == 0,
+              "tiles must be contiguous uint8 [N / 16, K / ", span, " * ", tile_block_bytes, "] (", type,
+              " tiles), got ", tiles.scalar_type(), " ", tiles.sizes());
+  TORCH_CHECK(x.size(1) % span == 0 && tiles.size(1) == x.size(1) / span * tile_block_bytes, "x has ", x.size(1),
+              " columns but the tiles hold ", tiles.size(1) / tile_block_bytes * span);
+  return matmul_output(x, tiles.size(0) * inferno::TILE_ROWS);
+}
+
+// x [M, K] float32; tiles [N / 16, K / 32 * 320] uint8 (int4_tile) -> [M, N] float32, the sums of int4_q8_matmul
+Tensor int4_tiles_matmul(const Tensor& x, const Tensor& tiles, bool zero_points) {
+  auto y = tiles_output(x, tiles, inferno::INT4_TILE_BLOCK_BYTES, 32, "int4");
+  cpu::int4_tiles_matmul(view(x), view(tiles), zero_points, view(y));
+  return y;
+}
+
+// codes [N, K] int8 (N a multiple of 16, K of 32), scales [N, K / 32] float32 -> tiles [N / 16, K / 32 * 576] uint8
+Tensor q8_tile(const Tensor& codes, const Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) % 32 == 0,
+              "codes must be 2-D, int8, contiguous, a multiple of 32 columns");
+  const int64_t n = codes.size(0), blocks = codes.size(1) / 32;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == n && scales.size(1) == blocks, "scales must be float32 [", n, ", ", blocks, "]");
+  check_tile_rows(n, "Q8");
+  auto tiles = at::empty({n / inferno::TILE_ROWS, blocks * inferno::Q8_TILE_BLOCK_BYTES}, codes.options().dtype(at::kByte));
+  cpu::q8_tile(view(codes), view(scales), view(tiles));
+  return tiles;
+}
+
+// x [M, K] float32; tiles [N / 16, K / 32 * 576] uint8 (q8_tile) -> [M, N] float32, the sums of int8_q8_matmul
+Tensor q8_tiles_matmul(const Tensor& x, const Tensor& tiles) {
+  auto y = tiles_output(x, tiles, inferno::Q8_TILE_BLOCK_BYTES, 32, "Q8");
+  cpu::q8_tiles_matmul(view(x), view(tiles), view(y));
+  return y;
+}
+
+// ---- K-quant super-blocks (q4_k_gemv.cpp, q6_k_gemv.cpp): 256 weights in `block_bytes` bytes ----
+
+void check_super_blocks(const Tensor& blocks, int64_t block_bytes, const char* type) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+              blocks.size(1) % block_bytes == 0,
+              "blocks must be contiguous uint8 [N, K / 256 * ", block_bytes, "] (", type, " super-blocks), got ",
+              blocks.scalar_type(), " ", blocks.sizes());
+}
+
+// x [M, K] float32 times blocks [N, K / 256 * block_bytes] uint8: checked, and y [M, N] float32 made
+Tensor super_block_output(const Tensor& x, const Tensor& blocks, int64_t block_bytes, const char* type) {
+  check_x(x);
+  check_super_blocks(blocks, block_bytes, type);
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % 256 == 0 && blocks.size(1) == k / 256 * block_bytes, "x has ", k, " columns but the blocks hold ",
+              blocks.size(1) / block_bytes * 256);
+  return matmul_output(x, blocks.size(0));
+}
+
+// blocks [N, K / 256 * block_bytes] uint8 -> W [N, K] in `dtype`
+Tensor super_block_weight(const Tensor& blocks, int64_t block_bytes, at::ScalarType dtype, const char* type) {
+  check_super_blocks(blocks, block_bytes, type);
+  return dequantized(blocks.size(0), blocks.size(1) / block_bytes * 256, dtype, blocks.options());
+}
+
+// blocks [N, K / 256 * block_bytes] uint8, N a multiple of 16 -> tiles [N / 16, K / 256 * tile_block_bytes] uint8
+Tensor super_block_tiles(const Tensor& blocks, int64_t block_bytes, int64_t tile_block_bytes, const char* type) {
+  check_super_blocks(blocks, block_bytes, type);
+  check_tile_rows(blocks.size(0), type);
+  return at::empty({blocks.size(0) / inferno::TILE_ROWS, blocks.size(1) / block_bytes * tile_block_bytes},
+                   blocks.options());
+}
+
+Tensor q4_k_matmul(const Tensor& x, const Tensor& blocks) {
+  auto y = super_block_output(x, blocks, inferno::Q4K_BLOCK_BYTES, "Q4_K");
+  cpu::q4_k_matmul(view(x), view(blocks), view(y));
+  return y;
+}
+
+// w = (d * sc) * q - (dmin * m) in float32 (as gguf.quants.dequantize computes it), rounded once to `dtype`
+Tensor q4_k_dequantize(const Tensor& blocks, at::ScalarType dtype) {
+  auto w = super_block_weight(blocks, inferno::Q4K_BLOCK_BYTES, dtype, "Q4_K");
+  cpu::q4_k_dequantize(view(blocks), view(w));
+  return w;
+}
+
+Tensor q4_k_tile(const Tensor& blocks) {
+  auto tiles = super_block_tiles(blocks, inferno::Q4K_BLOCK_BYTES, inferno::Q4K_TILE_BLOCK_BYTES, "Q4_K");
+  cpu::q4_k_tile(view(blocks), view(tiles));
+  return tiles;
+}
+
+// the sums of q4_k_matmul
+Tensor q4_k_tiles_matmul(const Tensor& x, const Tensor& tiles) {
+  auto y = tiles_output(x, tiles, inferno::Q4K_TILE_BLOCK_BYTES, 256, "Q4_K");
+  cpu::q4_k_tiles_matmul(view(x), view(tiles), view(y));
+  return y;
+}
+
+Tensor q6_k_matmul(const Tensor& x, const Tensor& blocks) {
+  auto y = super_block_output(x, blocks, inferno::Q6K_BLOCK_BYTES, "Q6_K");
+  cpu::q6_k_matmul(view(x), view(blocks), view(y));
+  return y;
+}
+
+// w = (d * sc) * (q - 32) in float32 (as gguf.quants.dequantize computes it), rounded once to `dtype`
+Tensor q6_k_dequantize(const Tensor& blocks, at::ScalarType dtype) {
+  auto w = super_block_weight(blocks, inferno::Q6K_BLOCK_BYTES, dtype, "Q6_K");
+  cpu::q6_k_dequantize(view(blocks), view(w));
+  return w;
+}
+
+Tensor q6_k_tile(const Tensor& blocks) {
+  auto tiles = super_block_tiles(blocks, inferno::Q6K_BLOCK_BYTES, inferno::Q6K_TILE_BLOCK_BYTES, "Q6_K");
+  cpu::q6_k_tile(view(blocks), view(tiles));
+  return tiles;
+}
+
+// the sums of q6_k_matmul
+Tensor q6_k_tiles_matmul(const Tensor& x, const Tensor& tiles) {
+  auto y = tiles_output(x, tiles, inferno::Q6K_TILE_BLOCK_BYTES, 256, "Q6_K");
+  cpu::q6_k_tiles_matmul(view(x), view(tiles), view(y));
+  return y;
+}
+
+// ---- GGUF repacking at load (gguf_repack.cpp) ----
+
+// Checks raw GGUF rows [rows, bytes per row] (contiguous rows) of `qtype` and returns the type's blocks.
+gguf::Blocks check_raw(const Tensor& raw, int64_t qtype) {
+  const gguf::Blocks t = gguf::blocks_of(qtype);
+  TORCH_CHECK(t.block_bytes > 0, "GGUF tensor type ", qtype, " has no native repacking");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.stride(1) == 1,
+              "raw blocks must be uint8 [rows, bytes per row] with contiguous rows");
+  TORCH_CHECK(raw.size(1) % t.block_bytes == 0, "a row of ", raw.size(1), " bytes is not a whole number of ",
+              t.block_bytes, "-byte blocks");
+  return t;
+}
+
+// Q4_0 / Q4_1 rows -> the int4 layout, written into `packed` (uint8 [rows, K / 2 + 4 * K / 32], contiguous): a
+// fused layer's shards go straight into their rows of one tensor.
+void gguf_to_int4(const Tensor& raw, int64_t qtype, Tensor& packed) {
+  TORCH_CHECK(qtype == gguf::Q4_0 || qtype == gguf::Q4_1, "gguf_to_int4 takes Q4_0 or Q4_1, got type ", qtype);
+  const gguf::Blocks t = check_raw(raw, qtype);
+  const int64_t rows = raw.size(0), k = raw.size(1) / t.block_bytes * t.block_values;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(0) == rows && packed.size(1) == inferno::int4_row_bytes(k, 32),
+              "packed must be contiguous uint8 [", rows, ", ", inferno::int4_row_bytes(k, 32), "]");
+  cpu::gguf_to_int4(view(raw), qtype, view(packed));
+}
+
+// raw rows of qtype -> Q8Groups' codes [rows, K] int8, scales [rows, K / G] float32 and mins (the same, or empty for
+// the symmetric types)
+std::tuple<Tensor, Tensor, Tensor> gguf_to_q8(const Tensor& raw, int64_t qtype) {
+  const gguf::Blocks t = check_raw(raw, qtype);
+  const int64_t rows = raw.size(0), k = raw.size(1) / t.block_bytes * t.block_values;
+  const int64_t groups = k / gguf::q8_group(qtype);
+  auto floats = raw.options().dtype(at::kFloat);
+  Tensor codes = at::empty({rows, k}, raw.options().dtype(at::kChar));
+  Tensor scales = at::empty({rows, groups}, floats);
+  Tensor mins = gguf::q8_has_mins(qtype) ? at::empty({rows, groups}, floats) : at::empty({0}, floats);
+  cpu::gguf_to_q8(view(raw), qtype, view(codes), view(scales), view(mins));
+  return {codes, scales, mins};
+}
+
+// `count` strings from byte `pos` of `bytes` (uint8), each a u64 little-endian length and that many bytes -> int64
+// [count + 1]: where each string's bytes start, then the position after the last one (the sequential walk Python
+// would spend a loop iteration per string on). A string running past the end of `bytes` is an error.
+Tensor gguf_string_offsets(const Tensor& bytes, int64_t pos, int64_t count) {
+  TORCH_CHECK(bytes.dim() == 1 && bytes.scalar_type() == at::kByte && bytes.is_contiguous(),
+              "bytes must be 1-D contiguous uint8");
+  TORCH_CHECK(pos >= 0 && count >= 0, "pos and count must not be negative");
+  const uint8_t* data = bytes.data_ptr<uint8_t>();
+  const uint64_t size = static_cast<uint64_t>(bytes.numel());
+  auto offsets = at::empty({count + 1}, at::kLong);
+  int64_t* out = offsets.data_ptr<int64_t>();
+  uint64_t here = static_cast<uint64_t>(pos);
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(here <= size && size - here >= 8, "a string array runs past the end of the file");
+    uint64_t length;
+    std::memcpy(&length, data + here, sizeof(length));
+    here += 8;
+    TORCH_CHECK(length <= size - here, "a string array runs past the end of the file");
+    out[i] = static_cast<int64_t>(here);
+    here += length;
+  }
+  out[count] = static_cast<int64_t>(here);
+  return offsets;
+}
+
+// ---- W8A8 activations (w8a8_activations.cpp) ----
+
+// x [M, K] float32 or bfloat16; input_scales [K] float32 or None; rotation_block 0 (none) or a power of two
+// dividing K -> (codes [M, K] uint8, row scales [M, 1] float32)
+std::tuple<Tensor, Tensor> w8a8_quantize_rows(const Tensor& x, const std::optional<Tensor>& input_scales,
+                                              int64_t rotation_block) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [M, K] matrix");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(rotation_block == 0 || (rotation_block > 0 && (rotation_block & (rotation_block - 1)) == 0 &&
+                                      k % rotation_block == 0),
+              "rotation_block must be 0 or a power of two dividing ", k, ", got ", rotation_block);
+  const float* scales = nullptr;
+  if (input_scales.has_value()) {
+    TORCH_CHECK(input_scales->scalar_type() == at::kFloat && input_scales->is_contiguous() &&
+                input_scales->numel() == k, "input_scales: ", k, " float32 values");
+    scales = input_scales->data_ptr<float>();
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "w8a8_quantize_rows: float32 or bfloat16 rows, got ", x.scalar_type());
+  auto codes = at::empty({x.size(0), k}, x.options().dtype(at::kByte));
+  auto row_scales = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+  cpu::w8a8_quantize_rows(view(x), scales, rotation_block, view(codes), view(row_scales));
+  return {codes, row_scales};
+}
+
+// out = y * row_scales + bias: y [M, N] float32 (the integer GEMM's output), row_scales [M, 1] float32, bias [N]
+// float32 or None; out float32 (y itself allowed) or bfloat16, [M, N]
+void w8a8_scale_rows(const Tensor& y, const Tensor& row_scales, const std::optional<Tensor>& bias, Tensor& out) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat, "y: a contiguous float32 [M, N]");
+  TORCH_CHECK(out.sizes() == y.sizes() && out.is_contiguous(), "out: a contiguous tensor of y's shape");
+  TORCH_CHECK(row_scales.is_contiguous() && row_scales.scalar_type() == at::kFloat && row_scales.numel() == y.size(0),
+              "row_scales: one float32 per row");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == y.size(1),
+                "bias: one float32 per column");
+    b = bias->data_ptr<float>();
+  }
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "w8a8_scale_rows: float32 or bfloat16 out, got ", out.scalar_type());
+  cpu::w8a8_scale_rows(view(y), row_scales.data_ptr<float>(), b, view(out));
+}
+
+// ---- fused elementwise steps (fused_ops.cpp) ----
+
+void check_norm(const Tensor& x, const Tensor& weight, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [T, size] matrix");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight: one value per column, in x's dtype");
+  check_float_type(x.scalar_type(), name);
+}
+
+// x [T, size] contiguous, weight [size] of x's dtype -> rms_norm(x) * weight
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_norm(x, weight, "rms_norm");
+  auto out = at::empty_like(x);
+  cpu::rms_norm(view(x), view(weight), eps, view(out));
+  return out;
+}
+
+// x, residual [T, size] contiguous, weight [size], all of one dtype -> (rms_norm(x + residual) * weight, x + residual)
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps) {
+  check_norm(x, weight, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "residual: like x");
+  auto out = at::empty_like(x), sum = at::empty_like(x);
+  cpu::add_rms_norm(view(x), view(residual), view(weight), eps, view(out), view(sum));
+  return {out, sum};
+}
+
+// gate_up [T, 2 * inner] (gate, then up) -> silu(gate) * up [T, inner]
+Tensor silu_and_mul(const Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up: a contiguous [T, 2 * inner] matrix");
+  check_float_type(gate_up.scalar_type(), "silu_and_mul");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  cpu::silu_and_mul(view(gate_up), view(out));
+  return out;
+}
+
+// x [T, heads, head_dim] (head_dim contiguous; interleaved pairs) rotated by rotations [T, 1, head_dim / 2, 2]
+// float32 (cos, sin of each pair's angle), into a new contiguous tensor (a copy, not in place: a compiled step calls
+// it too, and in-place ops on views do not trace)
+Tensor rotary(const Tensor& x, const Tensor& rotations) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x: [T, heads, head_dim], head_dim contiguous");
+  TORCH_CHECK(rotations.is_contiguous() && rotations.scalar_type() == at::kFloat &&
+              rotations.numel() == x.size(0) * x.size(2), "rotations: [T, 1, head_dim / 2, 2] float32");
+  check_float_type(x.scalar_type(), "rotary");
+  Tensor out = at::empty(x.sizes(), x.options());
+  cpu::rotary(view(x), view(rotations), view(out));
+  return out;
+}
+
+}  // namespace
+
 TORCH_LIBRARY(inferno, m) {
-  // paged_attention.cpp
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window=0) -> Tensor");
-
-  // prefill_attention.cpp
   m.def("paged_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "int num_computed, float scale, int window=0) -> Tensor");
 
-  // quantized_gemv.cpp
   m.def("int8_group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
   m.def("int8_group_dequantize(Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
   m.def("int8_q8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group_size) -> Tensor");
@@ -25,30 +539,56 @@ TORCH_LIBRARY(inferno, m) {
   m.def("q8_tile(Tensor codes, Tensor scales) -> Tensor");
   m.def("q8_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
 
-  // q4_k_gemv.cpp
   m.def("q4_k_matmul(Tensor x, Tensor blocks) -> Tensor");
   m.def("q4_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
   m.def("q4_k_tile(Tensor blocks) -> Tensor");
   m.def("q4_k_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
-
-  // q6_k_gemv.cpp
   m.def("q6_k_matmul(Tensor x, Tensor blocks) -> Tensor");
   m.def("q6_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
   m.def("q6_k_tile(Tensor blocks) -> Tensor");
   m.def("q6_k_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
 
-  // gguf_repack.cpp
   m.def("gguf_string_offsets(Tensor bytes, int pos, int count) -> Tensor");
   m.def("gguf_to_int4(Tensor raw, int qtype, Tensor(a!) packed) -> ()");
   m.def("gguf_to_q8(Tensor raw, int qtype) -> (Tensor, Tensor, Tensor)");
 
-  // w8a8_activations.cpp
   m.def("w8a8_quantize_rows(Tensor x, Tensor? input_scales, int rotation_block) -> (Tensor, Tensor)");
   m.def("w8a8_scale_rows(Tensor y, Tensor row_scales, Tensor? bias, Tensor(a!) out) -> ()");
 
-  // fused_ops.cpp
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor rotations) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(inferno, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("int8_group_matmul", &int8_group_matmul);
+  m.impl("int8_group_dequantize", &int8_group_dequantize);
+  m.impl("int8_q8_matmul", &int8_q8_matmul);
+  m.impl("int4_q8_matmul", &int4_q8_matmul);
+  m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int8_q8_dequantize", &int8_q8_dequantize);
+  m.impl("int4_tile", &int4_tile);
+  m.impl("int4_tiles_matmul", &int4_tiles_matmul);
+  m.impl("q8_tile", &q8_tile);
+  m.impl("q8_tiles_matmul", &q8_tiles_matmul);
+  m.impl("q4_k_matmul", &q4_k_matmul);
+  m.impl("q4_k_dequantize", &q4_k_dequantize);
+  m.impl("q4_k_tile", &q4_k_tile);
+  m.impl("q4_k_tiles_matmul", &q4_k_tiles_matmul);
+  m.impl("q6_k_matmul", &q6_k_matmul);
+  m.impl("q6_k_dequantize", &q6_k_dequantize);
+  m.impl("q6_k_tile", &q6_k_tile);
+  m.impl("q6_k_tiles_matmul", &q6_k_tiles_matmul);
+  m.impl("gguf_string_offsets", &gguf_string_offsets);
+  m.impl("gguf_to_int4", &gguf_to_int4);
+  m.impl("gguf_to_q8", &gguf_to_q8);
+  m.impl("w8a8_quantize_rows", &w8a8_quantize_rows);
+  m.impl("w8a8_scale_rows", &w8a8_scale_rows);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
 }

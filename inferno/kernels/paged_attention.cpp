@@ -1,6 +1,6 @@
 // Decode attention over a paged KV cache on the CPU: one query token per sequence, K/V read once through the
 // block table (no gather copy), softmax in float32. Registered as the operator `inferno::paged_decode_attention`
-// so that eager calls go through the dispatcher and `torch.compile` can place it in a graph.
+// (ops.cpp) so that eager calls go through the dispatcher and `torch.compile` can place it in a graph.
 //
 // Work items are (sequence, kv head, split): a long sequence is cut into splits of whole blocks so that one
 // request still keeps every thread busy (flash-decoding). Each split keeps its own max, softmax denominator and
@@ -10,8 +10,7 @@
 // AVX-512, 8 with AVX2 — a vector wider than the registers compiles into stack traffic): each K/V row comes from
 // memory once for all query heads of its group (from L1 for the others), the scores of LANES keys are finished
 // together by a transposing reduction tree instead of one horizontal sum per key, and exp is a vector polynomial.
-#include "kernel.h"
-
+#include "entry_points.h"
 #include "float_vectors.h"
 
 #include <algorithm>
@@ -23,7 +22,6 @@
 
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kAccumulators = LANES == 16 ? 16 : 8;  // vector sums weigh_values keeps in registers
 constexpr int64_t kMinSplitTokens = 128;  // below this, a split's fixed cost outweighs the parallelism it adds
 
@@ -187,7 +185,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, seq_lens[b] - begin_of(b));
   // enough items for every thread, each split a whole number of blocks and at least kMinSplitTokens long
-  const int64_t wanted = (2 * at::get_num_threads() + batch * num_kv_heads - 1) / (batch * num_kv_heads);
+  const int64_t wanted = (2 * inferno::num_threads() + batch * num_kv_heads - 1) / (batch * num_kv_heads);
   const int64_t min_blocks = (kMinSplitTokens + block_size - 1) / block_size;
   const int64_t max_splits = std::max<int64_t>(1, (max_len + block_size - 1) / block_size / min_blocks);
   const int64_t splits = std::clamp<int64_t>(wanted, 1, max_splits);
@@ -195,7 +193,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t
 
   // With one split per sequence the partial result is final: normalised and written out at once.
   std::vector<Partial> partials(splits > 1 ? batch * num_kv_heads * splits : 0);
-  at::parallel_for(0, batch * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, batch * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim);
     Scratch scratch;
     Partial whole;
@@ -221,7 +219,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t
   });
   if (splits == 1) return;
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
@@ -246,21 +244,12 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t
   });
 }
 
-// q [B, H, D]; caches [KVH, num_blocks, block_size, D]; block_tables [B, W] int64; seq_lens [B] int64;
-// D a multiple of 16, at most 256; window > 0: only the last `window` keys of each sequence
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t window) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
-  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong, "seq_lens: int64");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || (q.scalar_type() == at::kFloat &&
-                                                           k_cache.scalar_type() == at::kHalf),
-              "q and the caches must have one dtype (or a float32 q with float16 caches)");
-  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= kMaxHeadDim,
-              "head_dim must be a multiple of 16 up to 256, got ", q.size(2));
-  auto out = at::empty_like(q);
+}  // namespace
+
+namespace inferno::cpu {
+
+void paged_decode_attention(const View& q, const View& k_cache, const View& v_cache, const View& block_tables,
+                            const View& seq_lens, double scale, int64_t window, const View& out) {
   const auto run = [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
@@ -269,10 +258,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                      k_cache.size(1), k_cache.size(2), q.size(2), block_tables.size(1), static_cast<float>(scale),
                      window);
   };
-  dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), "paged_decode_attention", run);
-  return out;
+  dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), run);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+}  // namespace inferno::cpu

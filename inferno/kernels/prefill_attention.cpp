@@ -15,8 +15,7 @@
 // added into each float32 lane: half the instructions): keys as pairs of dimensions, values as pairs of keys, the
 // probabilities rounded to bfloat16 for their product with the values (as GPU flash attention does); scores, softmax
 // and sums in float32.
-#include "kernel.h"
-
+#include "entry_points.h"
 #include "float_vectors.h"
 
 #include <atomic>
@@ -303,7 +302,7 @@ void prefill_kernel(const T* q, const ChunkKV<T>& chunk, const C* k_cache, const
   const int64_t group = num_heads / num_kv_heads;
   const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock, items = blocks * num_kv_heads;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  inferno::parallel_for(0, inferno::num_threads(), 1, [&](int64_t, int64_t) {
     Tile tile(head_dim);
     Rows rows;
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
@@ -338,31 +337,14 @@ void prefill_kernel(const T* q, const ChunkKV<T>& chunk, const C* k_cache, const
   });
 }
 
-// q [n, H, D]: the chunk's queries at positions num_computed .. num_computed + n - 1; k, v [n, KVH, D] (head_dim
-// contiguous): the chunk's K/V as computed, also written to the caches [KVH, num_blocks, block_size, D], which
-// hold the context before it; block_table [W] int64 covering every position; D a multiple of 16; window > 0: each
-// query sees only the last `window` keys up to itself
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                                   int64_t num_computed, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "q [n, H, D], caches [KVH, B, S, D]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == k_cache.size(0) &&
-              k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1,
-              "k, v: the chunk's [n, KVH, D], head_dim contiguous");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: q's dtype");
-  TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kLong, "block_table: int64");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of the kv heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || (q.scalar_type() == at::kFloat &&
-                                                           k_cache.scalar_type() == at::kHalf),
-              "q and the caches must have one dtype (or a float32 q with float16 caches)");
-  TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16, got ", q.size(2));
-  TORCH_CHECK(num_computed >= 0 && block_table.size(0) * k_cache.size(2) >= num_computed + q.size(0),
-              "the block table must cover every position of the chunk");
-  auto out = at::empty_like(q);
-  dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), "paged_prefill_attention",
-                           [&](auto* type, auto* cache_type) {
+}  // namespace
+
+namespace inferno::cpu {
+
+void paged_prefill_attention(const View& q, const View& k, const View& v, const View& k_cache, const View& v_cache,
+                             const View& block_table, int64_t num_computed, double scale, int64_t window,
+                             const View& out) {
+  dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
 #if defined(__AVX512BF16__)
@@ -377,9 +359,6 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, con
                                q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),
                                static_cast<float>(scale), window);
   });
-  return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(inferno, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
+}  // namespace inferno::cpu

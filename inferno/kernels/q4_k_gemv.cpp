@@ -17,13 +17,11 @@
 // Built once per ISA level (inferno/cpu_features.py): an AVX-512 VNNI path (64 weights, 2 sub-blocks per
 // instruction), an AVX2 path (one sub-block per vector, AVX-VNNI where the compiler defines it) and plain loops for
 // anything else.
-#include "kernel.h"
-
 #include "quantized_rows.h"
 
 namespace {
 
-constexpr int64_t BLOCK_BYTES = 144;
+constexpr int64_t BLOCK_BYTES = inferno::Q4K_BLOCK_BYTES;
 constexpr int64_t SUB_BLOCKS = 8;  // of 32 weights: one block of x each
 
 // The sub-block's 32 codes, in column order.
@@ -124,7 +122,7 @@ void q4_k_rows(const KernelRows& x, const QuantizedRows& q, int64_t r0, const ui
 void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
   const KernelRows x = kernel_rows(q, m, k);
   const int64_t supers = k / QK_K;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       const int64_t chunk = k_chunk(decltype(rows)::value, k, 2);  // x: codes and lane scales
       for (int64_t s0 = 0; s0 < supers; s0 += chunk)
@@ -192,7 +190,7 @@ void q4_k_rows(const QuantizedRows& q, int64_t r0, const uint8_t* blocks, float*
 }
 
 void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       q4_k_rows<decltype(rows)::value>(q, r, blocks, y + r * n, n, k, begin, end);
     });
@@ -201,7 +199,7 @@ void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, i
 #else  // the same sums, left to the compiler
 void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
   const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     uint8_t codes[X_BLOCK], sc[SUB_BLOCKS], mn[SUB_BLOCKS];
     std::vector<float> acc(m);
     for (int64_t j = begin; j < end; ++j) {
@@ -227,19 +225,21 @@ void q4_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, i
 }
 #endif
 
-// x [M, K] float32; blocks [N, K / 256 * 144] uint8 -> [M, N] float32
-at::Tensor q4_k_matmul(const at::Tensor& x, const at::Tensor& blocks) {
-  return super_block_matmul(x, blocks, BLOCK_BYTES, "Q4_K", q4_k_matmul_rows);
+}  // namespace
+
+namespace inferno::cpu {
+
+void q4_k_matmul(const View& x, const View& blocks, const View& y) {
+  super_block_matmul(x, blocks, y, q4_k_matmul_rows);
 }
 
 // blocks [N, K / 256 * 144] uint8 -> W [N, K], w = (d * sc) * q - (dmin * m) in float32 (as gguf.quants.dequantize
 // computes it), rounded once to `dtype`
-at::Tensor q4_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
-  check_super_blocks(blocks, BLOCK_BYTES, "Q4_K");
+void q4_k_dequantize(const View& blocks, const View& w) {
   const int64_t n = blocks.size(0), supers = blocks.size(1) / BLOCK_BYTES, k = supers * QK_K;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  return dequantized(n, k, dtype, blocks.options(), [&](auto* wp) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  dequantized(w, [&](auto* wp) {
+    inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       uint8_t codes[X_BLOCK], sc[SUB_BLOCKS], mn[SUB_BLOCKS];
       for (int64_t j = begin; j < end; ++j)
         for (int64_t s = 0; s < supers; ++s) {
@@ -258,6 +258,10 @@ at::Tensor q4_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
   });
 }
 
+}  // namespace inferno::cpu
+
+namespace {
+
 // ---- tiles: the same super-blocks regrouped, losslessly, for kernels that put weight rows in vector lanes ----
 // A tile is TILE_ROWS consecutive weight rows. Per super-block of a tile, TILE_BLOCK_BYTES bytes: d[16] and dmin[16]
 // (float16, as stored), sc[8][16] and m[8][16] (the 6-bit scales and mins unpacked to a byte each), then the codes in
@@ -266,7 +270,7 @@ at::Tensor q4_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
 // per weight row: one VNNI instruction with 4 codes of a row of x broadcast adds 4 products to each of 16 outputs
 // (no horizontal sums, one load of codes for every row of x), and the scales and mins of a sub-block are a vector.
 // Every value of the stored blocks is kept: 4.625 bits per weight instead of 4.5.
-constexpr int64_t TILE_BLOCK_BYTES = 2368;
+constexpr int64_t TILE_BLOCK_BYTES = inferno::Q4K_TILE_BLOCK_BYTES;
 constexpr int64_t TILE_SCALES = 64, TILE_MINS = 192, TILE_CODES = 320;  // byte offsets in a tile's super-block
 
 // The 16 rows' super-blocks `rows[r]` as one tile super-block at `out`.
@@ -413,25 +417,20 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
 }
 #endif
 
-// blocks [N, K / 256 * 144] uint8, N a multiple of 16 -> tiles [N / 16, K / 256 * 2368] uint8
-at::Tensor q4_k_tile(const at::Tensor& blocks) {
-  return tiled(blocks, BLOCK_BYTES, TILE_BLOCK_BYTES, "Q4_K", tile_super_block);
+}  // namespace
+
+namespace inferno::cpu {
+
+void q4_k_tile(const View& blocks, const View& tiles) {
+  tiled(blocks, tiles, BLOCK_BYTES, TILE_BLOCK_BYTES, tile_super_block);
 }
 
-// x [M, K] float32; tiles [N / 16, K / 256 * 2368] uint8 (q4_k_tile) -> [M, N] float32, the sums of q4_k_matmul
-at::Tensor q4_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
-  return tiles_matmul<TILE_ROW_BLOCK>(x, tiles, TILE_BLOCK_BYTES, "Q4_K", false,
-                                      [](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y,
-                                         int64_t n, int64_t s0, int64_t s1, bool first) {
+void q4_k_tiles_matmul(const View& x, const View& tiles, const View& y) {
+  tiles_matmul<TILE_ROW_BLOCK>(x, tiles, y, TILE_BLOCK_BYTES, false,
+                               [](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y,
+                                  int64_t n, int64_t s0, int64_t s1, bool first) {
     tile_rows<decltype(rows)::value>(rx, r, tile, y, n, s0, s1, first);
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(inferno, CPU, m) {
-  m.impl("q4_k_matmul", &q4_k_matmul);
-  m.impl("q4_k_dequantize", &q4_k_dequantize);
-  m.impl("q4_k_tile", &q4_k_tile);
-  m.impl("q4_k_tiles_matmul", &q4_k_tiles_matmul);
-}
+}  // namespace inferno::cpu

@@ -17,14 +17,12 @@
 // multiply-add per lane then applies d sc_g xs_b (d sc_g is exact in float32: 11 by 8 significant bits).
 // Built once per ISA level (inferno/cpu_features.py): an AVX-512 VNNI path (64 weights per instruction), an AVX2
 // path (32, AVX-VNNI where the compiler defines it) and plain loops for anything else.
-#include "kernel.h"
-
 #include "float_vectors.h"
 #include "quantized_rows.h"
 
 namespace {
 
-constexpr int64_t BLOCK_BYTES = 210;
+constexpr int64_t BLOCK_BYTES = inferno::Q6K_BLOCK_BYTES;
 constexpr int64_t LANE_CODES = 4;  // codes of x per int32 lane of the dot products
 
 // The super-block's 256 codes q - 32, in column order.
@@ -216,7 +214,7 @@ void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, i
   const LaneRows x = lane_rows(q, m, k);
   const int64_t lanes = k / LANE_CODES;
   const int64_t supers = k / QK_K;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       const int64_t chunk = k_chunk(decltype(rows)::value, k, 3);  // x: codes, starts and scales
       for (int64_t s0 = 0; s0 < supers; s0 += chunk)
@@ -229,7 +227,7 @@ void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, i
 #else  // the same sums, left to the compiler
 void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, int64_t m, int64_t n, int64_t k) {
   const int64_t supers = k / QK_K, row_bytes = supers * BLOCK_BYTES;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     int8_t codes[QK_K];
     std::vector<float> acc(m);
     for (int64_t j = begin; j < end; ++j) {
@@ -254,19 +252,21 @@ void q6_k_matmul_rows(const QuantizedRows& q, const uint8_t* blocks, float* y, i
 }
 #endif
 
-// x [M, K] float32; blocks [N, K / 256 * 210] uint8 -> [M, N] float32
-at::Tensor q6_k_matmul(const at::Tensor& x, const at::Tensor& blocks) {
-  return super_block_matmul(x, blocks, BLOCK_BYTES, "Q6_K", q6_k_matmul_rows);
+}  // namespace
+
+namespace inferno::cpu {
+
+void q6_k_matmul(const View& x, const View& blocks, const View& y) {
+  super_block_matmul(x, blocks, y, q6_k_matmul_rows);
 }
 
 // blocks [N, K / 256 * 210] uint8 -> W [N, K], w = (d * sc) * (q - 32) in float32 (as gguf.quants.dequantize
 // computes it), rounded once to `dtype`
-at::Tensor q6_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
-  check_super_blocks(blocks, BLOCK_BYTES, "Q6_K");
+void q6_k_dequantize(const View& blocks, const View& w) {
   const int64_t n = blocks.size(0), supers = blocks.size(1) / BLOCK_BYTES, k = supers * QK_K;
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  return dequantized(n, k, dtype, blocks.options(), [&](auto* wp) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  dequantized(w, [&](auto* wp) {
+    inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       const HighBits shift;
       for (int64_t j = begin; j < end; ++j)
@@ -291,6 +291,10 @@ at::Tensor q6_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
   });
 }
 
+}  // namespace inferno::cpu
+
+namespace {
+
 // ---- tiles: the same super-blocks regrouped, losslessly, with weight rows in vector lanes (as q4_k_tile's) ----
 // Per super-block of a tile of TILE_ROWS rows, TILE_BLOCK_BYTES bytes: d[16] (float16), sc[16][16] (group g's
 // int8 scale of row r at 16 g + r), then the codes' 4 low bits as the Q4_K tiles hold theirs (32 groups of 8
@@ -298,7 +302,7 @@ at::Tensor q6_k_dequantize(const at::Tensor& blocks, at::ScalarType dtype) {
 // scale group of 16 columns, 64 bytes each: byte 4 r + c, bits 2 v and 2 v + 1, of columns 16 g + 4 v + c. A
 // vector of codes (16 rows, 4 consecutive columns each) is then one nibble of a low vector with two bits of a high
 // one, and a scale group is 4 VNNI instructions. 6.5625 bits per weight, as stored.
-constexpr int64_t TILE_BLOCK_BYTES = 3360;
+constexpr int64_t TILE_BLOCK_BYTES = inferno::Q6K_TILE_BLOCK_BYTES;
 constexpr int64_t TILE_SCALES = 32, TILE_LOW = 288, TILE_HIGH = 2336;  // byte offsets in a tile's super-block
 constexpr int64_t GROUPS = QK_K / 16;  // scale groups per super-block
 
@@ -466,25 +470,20 @@ void tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, int
 }
 #endif
 
-// blocks [N, K / 256 * 210] uint8, N a multiple of 16 -> tiles [N / 16, K / 256 * 3360] uint8
-at::Tensor q6_k_tile(const at::Tensor& blocks) {
-  return tiled(blocks, BLOCK_BYTES, TILE_BLOCK_BYTES, "Q6_K", tile_super_block);
+}  // namespace
+
+namespace inferno::cpu {
+
+void q6_k_tile(const View& blocks, const View& tiles) {
+  tiled(blocks, tiles, BLOCK_BYTES, TILE_BLOCK_BYTES, tile_super_block);
 }
 
-// x [M, K] float32; tiles [N / 16, K / 256 * 3360] uint8 (q6_k_tile) -> [M, N] float32, the sums of q6_k_matmul
-at::Tensor q6_k_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
-  return tiles_matmul<TILE_ROW_BLOCK>(x, tiles, TILE_BLOCK_BYTES, "Q6_K", true,
-                                      [](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y,
-                                         int64_t n, int64_t s0, int64_t s1, bool first) {
+void q6_k_tiles_matmul(const View& x, const View& tiles, const View& y) {
+  tiles_matmul<TILE_ROW_BLOCK>(x, tiles, y, TILE_BLOCK_BYTES, true,
+                               [](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y,
+                                  int64_t n, int64_t s0, int64_t s1, bool first) {
     tile_rows<decltype(rows)::value>(rx, r, tile, y, n, s0, s1, first);
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(inferno, CPU, m) {
-  m.impl("q6_k_matmul", &q6_k_matmul);
-  m.impl("q6_k_dequantize", &q6_k_dequantize);
-  m.impl("q6_k_tile", &q6_k_tile);
-  m.impl("q6_k_tiles_matmul", &q6_k_tiles_matmul);
-}
+}  // namespace inferno::cpu

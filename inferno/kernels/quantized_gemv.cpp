@@ -1,5 +1,5 @@
 // Matrix products with quantized weights on the CPU, for the few rows of a decode step. Registered as operators
-// of the `inferno` namespace (a fragment) so that eager calls go through the dispatcher and `torch.compile` can
+// of the `inferno` namespace (ops.cpp) so that eager calls go through the dispatcher and `torch.compile` can
 // place them in a graph.
 //
 // 1. `int8_group_matmul`: group-wise int8 weights times float32 activations,
@@ -13,8 +13,6 @@
 // 3. `int8_q8_dequantize` and `int4_dequantize`: to float32 or bfloat16, for the dense GEMM of prefill.
 // Built once per ISA level (inferno/cpu_features.py): AVX-512 VNNI paths, AVX2 paths (Zen 2/3, Haswell on; AVX-VNNI
 // where the compiler defines it), and plain loops for anything else.
-#include "kernel.h"
-
 #include "quantized_rows.h"
 
 namespace {
@@ -108,27 +106,14 @@ void matmul_rows(const float* x, const float* x_sums, const uint8_t* codes, cons
   }
 }
 
-void check_weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size) {
-  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && mins.dim() == 2, "codes, scales and mins must be 2-D");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat,
-              "scales and mins must be float32 and codes uint8");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
-              "codes, scales and mins must be contiguous");
-  TORCH_CHECK(group_size > 0, "group_size must be positive, got ", group_size);
-  const int64_t n = codes.size(0), k = codes.size(1), groups = (k + group_size - 1) / group_size;
-  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups && mins.sizes() == scales.sizes(),
-              "scales and mins must be [", n, ", ", groups, "] for ", k, " columns in groups of ", group_size);
-}
+}  // namespace
 
-// x [M, K] float32; codes [N, K] uint8; scales, mins [N, ceil(K / group_size)] float32 -> [M, N] float32
-at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                             const at::Tensor& mins, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  check_weight(codes, scales, mins, group_size);
+namespace inferno::cpu {
+
+void int8_group_matmul(const View& x, const View& codes, const View& scales, const View& mins, int64_t group_size,
+                       const View& y) {
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), groups = scales.size(1);
-  TORCH_CHECK(codes.size(1) == k, "x has ", k, " columns but codes have ", codes.size(1));
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
+  if (m == 0 || n == 0) return;
   const float* xp = x.data_ptr<float>();
   std::vector<float> x_sums(m * groups, 0.f);
   for (int64_t r = 0; r < m; ++r)
@@ -136,24 +121,20 @@ at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float *sp = scales.data_ptr<float>(), *mp = mins.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     const auto run = group_size == 32 ? matmul_rows<32> : group_size == 64 ? matmul_rows<64>
                    : group_size == 128 ? matmul_rows<128> : matmul_rows<0>;
     run(xp, x_sums.data(), cp, sp, mp, yp, m, n, k, group_size, groups, begin, end);
   });
-  return y;
 }
 
-// codes [N, K] uint8; scales, mins [N, ceil(K / group_size)] float32 -> W [N, K] float32 (for a dense GEMM)
-at::Tensor int8_group_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                                 int64_t group_size) {
-  check_weight(codes, scales, mins, group_size);
+void int8_group_dequantize(const View& codes, const View& scales, const View& mins, int64_t group_size,
+                           const View& w) {
   const int64_t n = codes.size(0), k = codes.size(1), groups = scales.size(1);
-  auto w = at::empty({n, k}, scales.options());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float *sp = scales.data_ptr<float>(), *mp = mins.data_ptr<float>();
   float* wp = w.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t first = j * k + g * group_size, last = j * k + std::min((g + 1) * group_size, k);
@@ -162,8 +143,11 @@ at::Tensor int8_group_dequantize(const at::Tensor& codes, const at::Tensor& scal
         for (int64_t i = first; i < last; ++i) wp[i] = static_cast<float>(cp[i]) * scale + min;
       }
   });
-  return w;
 }
+
+}  // namespace inferno::cpu
+
+namespace {
 
 // ---- weights times activations quantized to int8 per block of 32 (QuantizedRows) ----
 // With AVX-512 VNNI one instruction multiplies 64 unsigned weight codes by 64 signed activation codes and adds
@@ -181,7 +165,7 @@ at::Tensor int8_group_dequantize(const at::Tensor& codes, const at::Tensor& scal
 constexpr int64_t CHUNK_BLOCKS = 16;
 constexpr int64_t CHUNK_BYTES = CHUNK_BLOCKS * X_BLOCK / 2;
 
-inline int64_t int4_row_bytes(int64_t k, int64_t group_size) { return k / 2 + 4 * (k / group_size); }
+using inferno::int4_row_bytes;
 
 // The 32 codes of block b (of `blocks`) of a row, in column order.
 inline void int4_block_codes(const uint8_t* row, int64_t blocks, int64_t b, uint8_t* codes) {
@@ -263,7 +247,7 @@ void q8_matmul(const QuantizedRows& q, const int8_t* codes, const float* scales,
                int64_t k) {
   const int64_t pairs = (k / X_BLOCK + 1) / 2;
   const PairVectors v = pair_vectors(q, m, k);
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for_row_blocks<VNNI_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       q8_rows<decltype(rows)::value>(q.codes.data() + r * k, v.starts.data() + r * pairs, v.scales.data() + r * pairs,
                                      codes, scales, y + r * n, n, k, begin, end);
@@ -383,7 +367,7 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
   const ChunkedRows x = chunked_rows(q, m, k, group_size);
   const int64_t last = k / X_BLOCK % CHUNK_BLOCKS;  // blocks of a last, partial chunk (0: none)
   const __m512i pick = lane_groups(CHUNK_BLOCKS, group_size), last_pick = lane_groups(last ? last : 1, group_size);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<VNNI_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       int4_rows<decltype(rows)::value>(x, r, pick, last_pick, packed, y + r * n, n, k, group_size, zero_points,
                                        begin, end);
@@ -509,7 +493,7 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
   const LaneRows x = lane_rows(q, m, k, group_size);
   const __m256i pick = _mm256_srlv_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                          _mm256_set1_epi32(__builtin_ctzll(group_size / X_BLOCK)));
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for_row_blocks<AVX2_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       int4_rows<decltype(rows)::value>(x, r, pick, packed, y + r * n, n, k, group_size, zero_points, begin, end);
     });
@@ -519,7 +503,7 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
 void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_t m, int64_t n, int64_t k,
                  int64_t group_size, bool zero_points) {
   const int64_t blocks = k / X_BLOCK, groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(k);
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* row = packed + j * row_bytes;
@@ -554,22 +538,18 @@ void int4_matmul(const QuantizedRows& q, const uint8_t* packed, float* y, int64_
 //   sum w x = d xs * (sum q xq) + min * (sum of the block's rounded x),  min = -zero * d with zero points
 // Every value is kept (5 bits per weight with groups of 32, as the packed rows; 4 more bytes per 32 columns and row
 // with groups of 64 or 128, whose scales every block repeats).
-constexpr int64_t INT4_TILE_BLOCK_BYTES = 320;
+using inferno::INT4_TILE_BLOCK_BYTES;
 constexpr int64_t INT4_TILE_SECONDS = 32, INT4_TILE_CODES = 64;  // byte offsets in a tile block
 
-// packed [N, int4_row_bytes] uint8 (N a multiple of 16) -> tiles [N / 16, K / 32 * 320] uint8
-at::Tensor int4_tile(const at::Tensor& packed, int64_t k, int64_t group_size) {
-  TORCH_CHECK(group_size % X_BLOCK == 0 && k % group_size == 0,
-              "group_size must be a multiple of 32 and k of group_size, got ", group_size, " and ", k);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(1) == int4_row_bytes(k, group_size),
-              "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
+}  // namespace
+
+namespace inferno::cpu {
+
+void int4_tile(const View& packed, int64_t k, int64_t group_size, const View& tiles) {
   const int64_t n = packed.size(0), blocks = k / X_BLOCK, groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
-  TORCH_CHECK(n % TILE_ROWS == 0, "int4 tiles take a multiple of ", TILE_ROWS, " rows, got ", n);
-  auto tiles = at::empty({n / TILE_ROWS, blocks * INT4_TILE_BLOCK_BYTES}, packed.options());
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   uint8_t* tp = tiles.data_ptr<uint8_t>();
-  at::parallel_for(0, n / TILE_ROWS, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n / TILE_ROWS, 16, [&](int64_t begin, int64_t end) {
     uint8_t codes[X_BLOCK];
     for (int64_t t = begin; t < end; ++t)
       for (int64_t r = 0; r < TILE_ROWS; ++r) {
@@ -586,8 +566,11 @@ at::Tensor int4_tile(const at::Tensor& packed, int64_t k, int64_t group_size) {
         }
       }
   });
-  return tiles;
 }
+
+}  // namespace inferno::cpu
+
+namespace {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t INT4_TILE_ROW_BLOCK = 8;
@@ -689,16 +672,23 @@ void int4_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y
 }
 #endif
 
-// x [M, K] float32; tiles [N / 16, K / 32 * 320] uint8 (int4_tile) -> [M, N] float32, the sums of int4_q8_matmul
-at::Tensor int4_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles, bool zero_points) {
-  return tiles_matmul<INT4_TILE_ROW_BLOCK>(
-      x, tiles, INT4_TILE_BLOCK_BYTES, "int4", false,
+}  // namespace
+
+namespace inferno::cpu {
+
+void int4_tiles_matmul(const View& x, const View& tiles, bool zero_points, const View& y) {
+  tiles_matmul<INT4_TILE_ROW_BLOCK>(
+      x, tiles, y, INT4_TILE_BLOCK_BYTES, false,
       [zero_points](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y, int64_t n, int64_t s0,
                     int64_t s1, bool first) {
         int4_tile_rows<decltype(rows)::value>(rx, r, tile, y, n, s0, s1, first, zero_points);
       },
       X_BLOCK);
 }
+
+}  // namespace inferno::cpu
+
+namespace {
 
 // ---- Q8 tiles: signed int8 codes with a float32 scale per group of 32 (Q8_0, and Q5_0 as Q8Groups; no mins)
 // regrouped, losslessly, with weight rows in vector lanes (as int4_tile's) ----
@@ -709,22 +699,19 @@ at::Tensor int4_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles, bool 
 //   sum w x = d xs * (sum (q + 128) xq) - 128 d * (sum of the block's rounded x)
 // (as the int4 tiles' min term); without VNNI, maddubs takes |q| times xq with q's sign (as llama.cpp does:
 // 2 * 128 * 127 < 2^15), widened per vector, and sum w x = d xs * (sum q xq).
-constexpr int64_t Q8_TILE_BLOCK_BYTES = 576;
+using inferno::Q8_TILE_BLOCK_BYTES;
 constexpr int64_t Q8_TILE_CODES = 64;  // byte offset in a tile block
 
-// codes [N, K] int8 (N a multiple of 16, K of 32), scales [N, K / 32] float32 -> tiles [N / 16, K / 32 * 576] uint8
-at::Tensor q8_tile(const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
-              codes.size(1) % X_BLOCK == 0, "codes must be 2-D, int8, contiguous, a multiple of 32 columns");
+}  // namespace
+
+namespace inferno::cpu {
+
+void q8_tile(const View& codes, const View& scales, const View& tiles) {
   const int64_t n = codes.size(0), k = codes.size(1), blocks = k / X_BLOCK;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == n && scales.size(1) == blocks, "scales must be float32 [", n, ", ", blocks, "]");
-  TORCH_CHECK(n % TILE_ROWS == 0, "Q8 tiles take a multiple of ", TILE_ROWS, " rows, got ", n);
-  auto tiles = at::empty({n / TILE_ROWS, blocks * Q8_TILE_BLOCK_BYTES}, codes.options().dtype(at::kByte));
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   uint8_t* tp = tiles.data_ptr<uint8_t>();
-  at::parallel_for(0, n / TILE_ROWS, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n / TILE_ROWS, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t r = 0; r < TILE_ROWS; ++r)
         for (int64_t b = 0; b < blocks; ++b) {
@@ -736,8 +723,11 @@ at::Tensor q8_tile(const at::Tensor& codes, const at::Tensor& scales) {
             out[Q8_TILE_CODES + 64 * (i / 4) + 4 * r + i % 4] = static_cast<uint8_t>(c[i] ^ 0x80);  // q + 128
         }
   });
-  return tiles;
 }
+
+}  // namespace inferno::cpu
+
+namespace {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t Q8_TILE_ROW_BLOCK = 8;
@@ -857,14 +847,21 @@ void q8_tile_rows(const TileRows& x, int64_t r0, const uint8_t* tile, float* y, 
 }
 #endif
 
-// x [M, K] float32; tiles [N / 16, K / 32 * 576] uint8 (q8_tile) -> [M, N] float32, the sums of int8_q8_matmul
-at::Tensor q8_tiles_matmul(const at::Tensor& x, const at::Tensor& tiles) {
-  return tiles_matmul<Q8_TILE_ROW_BLOCK>(
-      x, tiles, Q8_TILE_BLOCK_BYTES, "Q8", false,
+}  // namespace
+
+namespace inferno::cpu {
+
+void q8_tiles_matmul(const View& x, const View& tiles, const View& y) {
+  tiles_matmul<Q8_TILE_ROW_BLOCK>(
+      x, tiles, y, Q8_TILE_BLOCK_BYTES, false,
       [](auto rows, const TileRows& rx, int64_t r, const uint8_t* tile, float* y, int64_t n, int64_t s0, int64_t s1,
          bool first) { q8_tile_rows<decltype(rows)::value>(rx, r, tile, y, n, s0, s1, first); },
       X_BLOCK);
 }
+
+}  // namespace inferno::cpu
+
+namespace {
 
 // ---- signed int8 groups of 16 or 32 (Q8Groups) times activations quantized to int8 per block of 32 ----
 //   sum_k w x = sum_b xs_b * sum_{g in b} s_g * (sum_{k in g} c xq) + sum_g min_g * sum_{k in g} x
@@ -940,7 +937,7 @@ void q8_groups_rows(const int8_t* xq, const float* xs, const float* x_sums, Q8We
 void q8_groups_matmul(const QuantizedRows& q, const float* x_sums, Q8Weights wt, float* y, int64_t m, int64_t n,
                       int64_t k, int64_t group_size) {
   const int64_t blocks = k / X_BLOCK, groups = k / group_size;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for_row_blocks<AVX2_ROW_BLOCK>(m, [&](auto rows, int64_t r) {
       constexpr int64_t R = decltype(rows)::value;
       const auto run = group_size == 32 ? q8_groups_rows<R, 32> : q8_groups_rows<R, 16>;
@@ -952,7 +949,7 @@ void q8_groups_matmul(const QuantizedRows& q, const float* x_sums, Q8Weights wt,
 void q8_groups_matmul(const QuantizedRows& q, const float* x_sums, Q8Weights wt, float* y, int64_t m, int64_t n,
                       int64_t k, int64_t group_size) {
   const int64_t blocks = k / X_BLOCK, groups = k / group_size;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
       for (int64_t r = 0; r < m; ++r) {
         float acc = 0.f;
@@ -974,19 +971,17 @@ void q8_groups_matmul(const QuantizedRows& q, const float* x_sums, Q8Weights wt,
 // In float32 as written, product then sum, never fused (as PyTorch and gguf's numpy compute them).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+}  // namespace
+
+namespace inferno::cpu {
+
 // packed [N, int4_row_bytes] uint8 -> W [N, K], w = code * d + min computed in float32 (min = -z * d with zero
 // points: exact, and so is the sum)
-at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_size, at::ScalarType dtype,
-                           bool zero_points) {
-  TORCH_CHECK(group_size % X_BLOCK == 0 && k % group_size == 0,
-              "group_size must be a multiple of 32 and k of group_size, got ", group_size, " and ", k);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(1) == int4_row_bytes(k, group_size),
-              "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
+void int4_dequantize(const View& packed, int64_t k, int64_t group_size, bool zero_points, const View& w) {
   const int64_t n = packed.size(0), groups = k / group_size, row_bytes = int4_row_bytes(k, group_size);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  return dequantized(n, k, dtype, packed.options(), [&](auto* wp) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  dequantized(w, [&](auto* wp) {
+    inferno::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> d(groups), mins(groups);
       for (int64_t j = begin; j < end; ++j) {
         const uint8_t* row = pp + j * row_bytes;
@@ -1009,30 +1004,23 @@ at::Tensor int4_dequantize(const at::Tensor& packed, int64_t k, int64_t group_si
   });
 }
 
-void check_q8_weight(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                     int64_t group_size) {
-  TORCH_CHECK(group_size == 16 || group_size == 32, "group_size must be 16 or 32, got ", group_size);
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
-              codes.size(1) % X_BLOCK == 0, "codes must be 2-D, int8, contiguous, a multiple of 32 columns");
-  const int64_t n = codes.size(0), groups = codes.size(1) / group_size;
-  for (const at::Tensor* t : {&scales, mins ? &*mins : nullptr})
-    TORCH_CHECK(t == nullptr || (t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                                 t->size(0) == n && t->size(1) == groups),
-                "scales and mins must be float32 [", n, ", ", groups, "]");
-}
+}  // namespace inferno::cpu
 
-Q8Weights q8_weights(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins) {
+namespace {
+
+Q8Weights q8_weights(const inferno::View& codes, const inferno::View& scales, const inferno::View* mins) {
   return {codes.data_ptr<int8_t>(), scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr};
 }
 
-// codes [N, K] int8; scales, mins [N, K / group_size] float32 -> W [N, K] = codes * scales (+ mins) in float32
-at::Tensor int8_q8_dequantize(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                              int64_t group_size, at::ScalarType dtype) {
-  check_q8_weight(codes, scales, mins, group_size);
+}  // namespace
+
+namespace inferno::cpu {
+
+void int8_q8_dequantize(const View& codes, const View& scales, const View* mins, int64_t group_size, const View& w) {
   const int64_t n = codes.size(0), k = codes.size(1), groups = k / group_size;
   const Q8Weights wt = q8_weights(codes, scales, mins);
-  return dequantized(n, k, dtype, scales.options(), [&](auto* wp) {
-    at::parallel_for(0, n * groups, 256, [&](int64_t begin, int64_t end) {
+  dequantized(w, [&](auto* wp) {
+    inferno::parallel_for(0, n * groups, 256, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const float scale = wt.scales[g], min = wt.mins ? wt.mins[g] : 0.f;
         for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i)
@@ -1044,58 +1032,28 @@ at::Tensor int8_q8_dequantize(const at::Tensor& codes, const at::Tensor& scales,
 
 #pragma GCC pop_options
 
-// x [M, K] float32; codes [N, K] int8; scales, mins [N, K / group_size] float32 -> [M, N] float32
-at::Tensor int8_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                          const std::optional<at::Tensor>& mins, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  check_q8_weight(codes, scales, mins, group_size);
+void int8_q8_matmul(const View& x, const View& codes, const View& scales, const View* mins, int64_t group_size,
+                    const View& y) {
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(codes.size(1) == k, "x has ", k, " columns but codes have ", codes.size(1));
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
+  if (m == 0 || n == 0) return;
   const float* xp = x.data_ptr<float>();
   const QuantizedRows q = quantize_rows(xp, m, k);
   const Q8Weights wt = q8_weights(codes, scales, mins);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (group_size == 32 && !mins) {
     q8_matmul(q, wt.codes, wt.scales, y.data_ptr<float>(), m, n, k);
-    return y;
+    return;
   }
 #endif
   const std::vector<float> x_sums = mins ? x_group_sums(q, m, k, group_size) : std::vector<float>();
   q8_groups_matmul(q, x_sums.data(), wt, y.data_ptr<float>(), m, n, k, group_size);
-  return y;
 }
 
-// x [M, K] float32, K a multiple of group_size (32, 64 or 128); packed [N, int4_row_bytes] uint8 (the
-// int4 layout above, its second float16 per group a zero point when `zero_points`) -> [M, N] float32
-at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, bool zero_points) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, "group_size must be 32, 64 or 128, got ",
-              group_size);
+void int4_q8_matmul(const View& x, const View& packed, int64_t group_size, bool zero_points, const View& y) {
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(k % group_size == 0, "x needs a multiple of group_size columns, got ", k);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(1) == int4_row_bytes(k, group_size),
-              "packed must be uint8 [N, ", int4_row_bytes(k, group_size), "] for ", k, " columns");
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
+  if (m == 0 || n == 0) return;
   int4_matmul(quantize_rows(x.data_ptr<float>(), m, k), packed.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k,
               group_size, zero_points);
-  return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(inferno, CPU, m) {
-  m.impl("int8_group_matmul", &int8_group_matmul);
-  m.impl("int8_group_dequantize", &int8_group_dequantize);
-  m.impl("int8_q8_matmul", &int8_q8_matmul);
-  m.impl("int4_q8_matmul", &int4_q8_matmul);
-  m.impl("int4_dequantize", &int4_dequantize);
-  m.impl("int8_q8_dequantize", &int8_q8_dequantize);
-  m.impl("int4_tile", &int4_tile);
-  m.impl("int4_tiles_matmul", &int4_tiles_matmul);
-  m.impl("q8_tile", &q8_tile);
-  m.impl("q8_tiles_matmul", &q8_tiles_matmul);
-}
+}  // namespace inferno::cpu

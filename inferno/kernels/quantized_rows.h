@@ -1,10 +1,10 @@
 // What the quantized kernels share (quantized_gemv.cpp, q4_k_gemv.cpp, q6_k_gemv.cpp, gguf_repack.cpp): the rows of
-// x quantized to int8 per block of 32, the passes over row blocks of x, float16 reads, K-quant scales, the checks
-// and shape of the super-block matmul operators and the float32 / bfloat16 output of the dequantizers. Everything here
+// x quantized to int8 per block of 32, the passes over row blocks of x, float16 reads, K-quant scales, the passes
+// of the super-block matmul operators and the float32 / bfloat16 output of the dequantizers. Everything here
 // has internal linkage (each kernel file its own copy).
 #pragma once
 
-#include "kernel.h"
+#include "entry_points.h"
 
 #include <algorithm>
 #include <cmath>
@@ -123,7 +123,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   const int64_t blocks = m * k / X_BLOCK;
   QuantizedRows q{std::vector<int8_t>(m * k), std::vector<float>(blocks), std::vector<int32_t>(blocks),
                   std::vector<float>(blocks)};
-  at::parallel_for(0, blocks, 4096, [&](int64_t begin, int64_t end) {  // prefill: 512 x 8960 in 0.3 ms, not 4.4
+  inferno::parallel_for(0, blocks, 4096, [&](int64_t begin, int64_t end) {  // prefill: 512 x 8960 in 0.3 ms, not 4.4
     for (int64_t b = begin; b < end; ++b) {
       const QuantizedBlock block = quantize_block(x + b * X_BLOCK, &q.codes[b * X_BLOCK]);
       q.scales[b] = block.scale;
@@ -227,33 +227,20 @@ inline void add_partial(float* y, __m512 partial, bool first) {  // 16 outputs
 }
 #endif
 
-inline void check_super_blocks(const at::Tensor& blocks, int64_t block_bytes, const char* type) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-              blocks.size(1) % block_bytes == 0,
-              "blocks must be contiguous uint8 [N, K / 256 * ", block_bytes, "] (", type, " super-blocks), got ",
-              blocks.scalar_type(), " ", blocks.sizes());
-}
-
-// x [M, K] float32 times the super-blocks -> [M, N] float32: x quantized (quantize_rows), then
+// x [M, K] float32 times the super-blocks [N, ...] -> y [M, N] float32: x quantized (quantize_rows), then
 // matmul_rows(q, blocks, y, m, n, k), the kernel's sums.
 template <typename MatmulRows>
-at::Tensor super_block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t block_bytes, const char* type,
-                              MatmulRows&& matmul_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  check_super_blocks(blocks, block_bytes, type);
+void super_block_matmul(const inferno::View& x, const inferno::View& blocks, const inferno::View& y,
+                        MatmulRows&& matmul_rows) {
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % QK_K == 0 && blocks.size(1) == k / QK_K * block_bytes, "x has ", k, " columns but the blocks hold ",
-              blocks.size(1) / block_bytes * QK_K);
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
+  if (m == 0 || n == 0) return;
   matmul_rows(quantize_rows(x.data_ptr<float>(), m, k), blocks.data_ptr<uint8_t>(), y.data_ptr<float>(), m, n, k);
-  return y;
 }
 
 // ---- tiles: TILE_ROWS weight rows regrouped so that a vector holds a few columns of each (q4_k_tile, q6_k_tile,
 // int4_tile). A tile is a row of tile blocks, each holding `span` columns: a K-quant super-block (256) or an int4 block
 // of 32. ----
-constexpr int64_t TILE_ROWS = 16;
+using inferno::TILE_ROWS;
 constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them
 constexpr int64_t ROW_PANEL = 128;  // rows of x per pass over all of a thread's tiles
 
@@ -277,7 +264,7 @@ inline TileRows tile_rows_of(const float* xf, int64_t m, int64_t k, int64_t row_
   const int64_t supers = k / span, padded = (m + row_block - 1) / row_block * row_block, blocks = span / X_BLOCK;
   TileRows x{row_block, supers, std::vector<int8_t>(padded * k), std::vector<float>(padded * k / X_BLOCK),
              std::vector<float>(padded * k / X_BLOCK), std::vector<int32_t>(with_starts ? padded * k / 16 : 0)};
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t s = 0; s < supers; ++s) {
         const int64_t to = x.at(r - r % row_block, s) + r % row_block;
@@ -297,30 +284,22 @@ inline TileRows tile_rows_of(const float* xf, int64_t m, int64_t k, int64_t row_
   return x;
 }
 
-// x [M, K] float32 times tiles [N / 16, K / span * tile_block_bytes] -> [M, N] float32: x quantized and laid out
+// x [M, K] float32 times tiles [N / 16, K / span * tile_block_bytes] -> y [M, N] float32: x quantized and laid out
 // as TileRows (with Q6_K's `with_starts`), then tile_rows(std::integral_constant<int64_t, R>{}, x, r, tile, y, n, s0,
 // s1, first) for every row block [r, r + R) of x, tile and chunk of tile blocks [s0, s1) (k_chunk: the row block's
 // codes stay in L1), the threads splitting the tiles; `y` is the tile's first output of row 0, and the chunks of a
 // row block and tile come in order, `first` (s0 = 0) before the others, whose sums are added to it.
 template <int64_t MAX_R, typename TileRowsKernel>
-at::Tensor tiles_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t tile_block_bytes, const char* type,
-                        bool with_starts, TileRowsKernel&& tile_rows, int64_t span = QK_K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be 2-D, float32, contiguous");
-  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
-              tiles.size(1) % tile_block_bytes == 0,
-              "tiles must be contiguous uint8 [N / 16, K / ", span, " * ", tile_block_bytes, "] (", type,
-              " tiles), got ", tiles.scalar_type(), " ", tiles.sizes());
-  TORCH_CHECK(x.size(1) % span == 0 && tiles.size(1) == x.size(1) / span * tile_block_bytes, "x has ", x.size(1),
-              " columns but the tiles hold ", tiles.size(1) / tile_block_bytes * span);
+void tiles_matmul(const inferno::View& x, const inferno::View& tiles, const inferno::View& y, int64_t tile_block_bytes,
+                  bool with_starts, TileRowsKernel&& tile_rows, int64_t span = QK_K) {
   const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * TILE_ROWS;
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
+  if (m == 0 || n == 0) return;
   const TileRows rows = tile_rows_of(x.data_ptr<float>(), m, k, MAX_R, with_starts, span);
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t supers = k / span, tile_bytes = supers * tile_block_bytes;
   const int64_t chunk = k_chunk(std::min(m, MAX_R), k, 1, span);
-  at::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = 0; panel < m; panel += ROW_PANEL)
       for (int64_t group = begin; group < end; group += TILE_GROUP)
         for (int64_t s0 = 0; s0 < supers; s0 += chunk)
@@ -330,21 +309,17 @@ at::Tensor tiles_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t ti
                         std::min(supers, s0 + chunk), s0 == 0);
           });
   });
-  return y;
 }
 
 // blocks [N, K / 256 * block_bytes] -> tiles [N / 16, K / 256 * tile_block_bytes]: tile_super_block(rows, out) for
 // each super-block of each tile, rows[r] the block of its row r.
 template <typename TileSuperBlock>
-at::Tensor tiled(const at::Tensor& blocks, int64_t block_bytes, int64_t tile_block_bytes, const char* type,
-                 TileSuperBlock&& tile_super_block) {
-  check_super_blocks(blocks, block_bytes, type);
+void tiled(const inferno::View& blocks, const inferno::View& tiles, int64_t block_bytes, int64_t tile_block_bytes,
+           TileSuperBlock&& tile_super_block) {
   const int64_t n = blocks.size(0), supers = blocks.size(1) / block_bytes;
-  TORCH_CHECK(n % TILE_ROWS == 0, type, " tiles take a multiple of ", TILE_ROWS, " rows, got ", n);
-  auto tiles = at::empty({n / TILE_ROWS, supers * tile_block_bytes}, blocks.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   uint8_t* tp = tiles.data_ptr<uint8_t>();
-  at::parallel_for(0, n / TILE_ROWS * supers, 64, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, n / TILE_ROWS * supers, 64, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {  // u = tile * supers + super-block: the tiles' order
       const int64_t t = u / supers, s = u % supers;
       const uint8_t* rows[TILE_ROWS];
@@ -352,7 +327,6 @@ at::Tensor tiled(const at::Tensor& blocks, int64_t block_bytes, int64_t tile_blo
       tile_super_block(rows, tp + u * tile_block_bytes);
     }
   });
-  return tiles;
 }
 
 // ---- the dequantizers' output, float32 or bfloat16 ----
@@ -365,14 +339,11 @@ inline uint16_t to_bfloat16(float x) {  // round to nearest even (weights are fi
 inline void store(float* out, float w) { *out = w; }
 inline void store(uint16_t* out, float w) { *out = to_bfloat16(w); }
 
-// Runs fill(Out* w) with the data of a new [n, k] tensor of `dtype` (float32 or bfloat16).
+// Runs fill(Out* w) with the data of `w`, float32 or bfloat16 (as its bits).
 template <typename Fill>
-at::Tensor dequantized(int64_t n, int64_t k, at::ScalarType dtype, const at::TensorOptions& options, Fill&& fill) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
-  auto w = at::empty({n, k}, options.dtype(dtype));
-  if (dtype == at::kFloat) fill(w.data_ptr<float>());
-  else fill(reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()));
-  return w;
+void dequantized(const inferno::View& w, Fill&& fill) {
+  if (w.scalar_type() == inferno::Dtype::Float) fill(w.data_ptr<float>());
+  else fill(w.data_ptr<uint16_t>());
 }
 
 }  // namespace

@@ -8,8 +8,7 @@
 // distance s. Stages at a distance of whole vectors add and subtract vectors; the shorter ones pair lanes of one
 // vector (a shuffle and one multiply-add with a +1 / -1 vector). Sylvester's matrix is symmetric, so the transform
 // equals x times the matrix that rotates the weights (inferno/layers/quantization/w8a8.py: `hadamard`, `rotate`).
-#include "kernel.h"
-
+#include "entry_points.h"
 #include "float_vectors.h"
 
 #include <cmath>
@@ -86,7 +85,7 @@ template <typename T>
 void quantize_rows(const T* x, const float* input_scales, int64_t block, uint8_t* codes, float* row_scales,
                    int64_t rows, int64_t k) {
   const float norm = block > 0 ? 1.f / std::sqrt(static_cast<float>(block)) : 1.f;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t m = begin; m < end; ++m) {
       const T* src = x + m * k;
@@ -101,39 +100,10 @@ void quantize_rows(const T* x, const float* input_scales, int64_t block, uint8_t
   });
 }
 
-// x [M, K] float32 or bfloat16; input_scales [K] float32 or None; rotation_block 0 (none) or a power of two
-// dividing K -> (codes [M, K] uint8, row scales [M, 1] float32)
-std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x,
-                                                      const c10::optional<at::Tensor>& input_scales,
-                                                      int64_t rotation_block) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: a contiguous [M, K] matrix");
-  const int64_t k = x.size(1);
-  TORCH_CHECK(rotation_block == 0 || (rotation_block > 0 && (rotation_block & (rotation_block - 1)) == 0 &&
-                                      k % rotation_block == 0),
-              "rotation_block must be 0 or a power of two dividing ", k, ", got ", rotation_block);
-  const float* scales = nullptr;
-  if (input_scales.has_value()) {
-    TORCH_CHECK(input_scales->scalar_type() == at::kFloat && input_scales->is_contiguous() &&
-                input_scales->numel() == k, "input_scales: ", k, " float32 values");
-    scales = input_scales->data_ptr<float>();
-  }
-  auto codes = at::empty({x.size(0), k}, x.options().dtype(at::kByte));
-  auto row_scales = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
-  if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), scales, rotation_block, codes.data_ptr<uint8_t>(), row_scales.data_ptr<float>(),
-                  x.size(0), k);
-  else if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<c10::BFloat16>(), scales, rotation_block, codes.data_ptr<uint8_t>(),
-                  row_scales.data_ptr<float>(), x.size(0), k);
-  else
-    TORCH_CHECK(false, "w8a8_quantize_rows: float32 or bfloat16 rows, got ", x.scalar_type());
-  return {codes, row_scales};
-}
-
 // out[m, :] = y[m, :] * row_scales[m] + bias, as float32 (in place) or bfloat16
 template <typename T>
 void scale_rows(const float* y, const float* row_scales, const float* bias, T* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  inferno::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* src = y + m * n;
       T* dst = out + m * n;
@@ -149,32 +119,25 @@ void scale_rows(const float* y, const float* row_scales, const float* bias, T* o
   });
 }
 
-// out = y * row_scales + bias: y [M, N] float32 (the integer GEMM's output), row_scales [M, 1] float32, bias [N]
-// float32 or None; out float32 (y itself allowed) or bfloat16, [M, N]
-void w8a8_scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const c10::optional<at::Tensor>& bias,
-                     at::Tensor& out) {
-  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat, "y: a contiguous float32 [M, N]");
-  TORCH_CHECK(out.sizes() == y.sizes() && out.is_contiguous(), "out: a contiguous tensor of y's shape");
-  TORCH_CHECK(row_scales.is_contiguous() && row_scales.scalar_type() == at::kFloat && row_scales.numel() == y.size(0),
-              "row_scales: one float32 per row");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == y.size(1),
-                "bias: one float32 per column");
-    b = bias->data_ptr<float>();
-  }
-  if (out.scalar_type() == at::kFloat)
-    scale_rows(y.data_ptr<float>(), row_scales.data_ptr<float>(), b, out.data_ptr<float>(), y.size(0), y.size(1));
-  else if (out.scalar_type() == at::kBFloat16)
-    scale_rows(y.data_ptr<float>(), row_scales.data_ptr<float>(), b, out.data_ptr<c10::BFloat16>(), y.size(0),
-               y.size(1));
-  else
-    TORCH_CHECK(false, "w8a8_scale_rows: float32 or bfloat16 out, got ", out.scalar_type());
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(inferno, CPU, m) {
-  m.impl("w8a8_quantize_rows", &w8a8_quantize_rows);
-  m.impl("w8a8_scale_rows", &w8a8_scale_rows);
+namespace inferno::cpu {
+
+void w8a8_quantize_rows(const View& x, const float* input_scales, int64_t rotation_block, const View& codes,
+                        const View& row_scales) {
+  if (x.scalar_type() == Dtype::Float)
+    quantize_rows(x.data_ptr<float>(), input_scales, rotation_block, codes.data_ptr<uint8_t>(),
+                  row_scales.data_ptr<float>(), x.size(0), x.size(1));
+  else
+    quantize_rows(x.data_ptr<c10::BFloat16>(), input_scales, rotation_block, codes.data_ptr<uint8_t>(),
+                  row_scales.data_ptr<float>(), x.size(0), x.size(1));
 }
+
+void w8a8_scale_rows(const View& y, const float* row_scales, const float* bias, const View& out) {
+  if (out.scalar_type() == Dtype::Float)
+    scale_rows(y.data_ptr<float>(), row_scales, bias, out.data_ptr<float>(), y.size(0), y.size(1));
+  else
+    scale_rows(y.data_ptr<float>(), row_scales, bias, out.data_ptr<c10::BFloat16>(), y.size(0), y.size(1));
+}
+
+}  // namespace inferno::cpu
