@@ -99,6 +99,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self.write(layer, k, v, meta.slot_mapping)
+        if not meta.prefills and len(meta.decode_groups) == 1:  # decodes in one group: their output as it comes
+            return self.decode(layer, q, meta.decode_groups[0]).view(q.shape[0], -1)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.start:group.end] = self.decode(layer, q[group.start:group.end], group)
