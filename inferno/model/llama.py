@@ -54,23 +54,27 @@ class SelfAttention(nn.Module):
             q, k, v = qkv.split([self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        per_head_norms = self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim
-        if per_head_norms:
-            q, k = self.q_norm(q), self.k_norm(k)
-        ops = cpu_fused_ops(q)
-        if q.is_cuda:  # in place, one Triton kernel each
-            from inferno.kernels.triton_fused import rotary_
-            q, k = rotary_(q, rotations), rotary_(k, rotations)
-        elif ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # native, one call
-            qk = torch.cat([q, k], dim=1) if per_head_norms else qkv[:, :self.num_heads + self.num_kv_heads]
-            q, k = ops.rotary(qk, rotations).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        attended = self.attn(q, k, v, meta)
+        q, k = self.rotated_qk(qkv[:, :self.num_heads + self.num_kv_heads], rotations)
+        attended = self.attn(q, k, qkv[:, self.num_heads + self.num_kv_heads:], meta)
         out = self.o_proj(attended)
         return out if lora is None else add_lora(out, attended, self.o_lora, lora)
+
+    def rotated_qk(self, qk: torch.Tensor, rotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [T, heads + kv_heads, D], a view of the projection's output -> q and k, normed per head (qwen3,
+        gemma3) and rotated."""
+        if self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim:  # per-head norms
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        if qk.is_cuda:  # in place, one Triton kernel each
+            from inferno.kernels.triton_fused import rotary_
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            return rotary_(q, rotations), rotary_(k, rotations)
+        ops = cpu_fused_ops(qk)
+        if ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # native, one call
+            rotated = ops.rotary(qk, rotations)
+        else:
+            rotated = apply_rotary(qk, rotations)
+        return rotated.split([self.num_heads, self.num_kv_heads], dim=1)
 
 
 class DecoderLayer(nn.Module):
@@ -152,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
                 x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         rotations = self.rotary.rotations(positions)
         local = rotations if self.local_rotary is None else self.local_rotary.rotations(positions)
+        layers = list(self.layers)  # indexing the ModuleList itself costs microseconds per layer
         for i in self.stage_layers:
-            x = self.layers[i](x, local if self.config.is_sliding(i) else rotations, meta, lora)
+            x = layers[i](x, local if self.config.is_sliding(i) else rotations, meta, lora)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
