@@ -91,15 +91,22 @@ class DecoderLayer(nn.Module):
         self.mlp = (SparseMoE(config, parallel) if moe is not None and layer not in moe.dense_layers
                     else MLP(config.hidden_size, config.intermediate_size, config.hidden_act, parallel))
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta, lora: LoRAMapping | None = None) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rotations, meta, lora)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotations: torch.Tensor, meta,
+                lora: LoRAMapping | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream `residual` (None: x is the stream)
+        -> this layer's output and the stream before it. Each add is fused into the norm after it (one kernel)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn = self.self_attn(h, rotations, meta, lora)
         mlp = self.mlp if lora is None else lambda h: self.mlp(h, lora)  # adapters: dense MLPs only (model/lora.py)
         if self.pre_feedforward_layernorm is None:  # post_attention_layernorm is the feed-forward's input norm
-            h, x = self.post_attention_layernorm.add_and_norm(attn, x)
-            return x + mlp(h)
+            h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+            return mlp(h), residual
         # Gemma: norms on both sides of the attention and of the feed-forward block
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
+        residual = residual + self.post_attention_layernorm(attn)
+        return self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(residual))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,10 +163,10 @@ class LlamaForCausalLM(nn.Module):
                 x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         rotations = self.rotary.rotations(positions)
         local = rotations if self.local_rotary is None else self.local_rotary.rotations(positions)
-        layers = list(self.layers)  # indexing the ModuleList itself costs microseconds per layer
+        layers, residual = list(self.layers), None  # indexing the ModuleList itself costs microseconds per layer
         for i in self.stage_layers:
-            x = layers[i](x, local if self.config.is_sliding(i) else rotations, meta, lora)
-        return x
+            x, residual = layers[i](x, residual, local if self.config.is_sliding(i) else rotations, meta, lora)
+        return x if residual is None else x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits on tensor rank 0 of the first stage; None on the other tensor ranks."""
