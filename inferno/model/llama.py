@@ -174,4 +174,6 @@ class LlamaForCausalLM(nn.Module):
         if logits is None:
             return None
         cap = self.config.final_logit_softcapping
-        return logits.float() if cap is None else torch.tanh(logits.float() / cap) * cap
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return logits if cap is None else torch.tanh(logits / cap) * cap
