@@ -94,7 +94,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotations: torch.Tensor, meta,
                 lora: LoRAMapping | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream `residual` (None: x is the stream)
-        -> this layer's output and the stream before it. Each add is fused into the norm after it (one kernel)."""
+        -> (this layer's output, the stream it is to be added to). Each add runs in the norm after it (one kernel);
+        the model adds the last layer's output itself."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
