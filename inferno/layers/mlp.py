@@ -43,7 +43,9 @@ class MLP(nn.Module):
             from inferno.kernels.triton_fused import silu_and_mul
             return silu_and_mul(gate_up)
         ops = cpu_fused_ops(gate_up) if self.silu and gate_up.is_contiguous() else None
-        if ops is not None:  # one native kernel
+        if ops is not None and gate_up.dim() == 2:  # one native kernel
+            return ops.silu_and_mul(gate_up)
+        if ops is not None:
             return ops.silu_and_mul(gate_up.view(-1, gate_up.shape[-1])).view(
                 *gate_up.shape[:-1], gate_up.shape[-1] // 2)
         gate, up = gate_up.chunk(2, dim=-1)

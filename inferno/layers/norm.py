@@ -15,6 +15,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self._fused(x)
+        if ops is not None and x.dim() == 2:  # a flat batch's rows (every decoder norm): no views to make
+            return ops.rms_norm(x, self.weight, self.eps)
         if ops is not None:
             return ops.rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
@@ -34,6 +36,8 @@ class RMSNorm(nn.Module):
             from inferno.kernels.triton_fused import fused_add_rms_norm
             return fused_add_rms_norm(x, self.weight, self.eps, residual)
         ops = self._fused(x)
+        if ops is not None and residual.is_contiguous() and residual.dtype == x.dtype and x.dim() == 2:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
         if ops is not None and residual.is_contiguous() and residual.dtype == x.dtype:
             out, total = ops.add_rms_norm(x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1]), self.weight,
                                           self.eps)

@@ -114,8 +114,10 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """The distribution each row samples from, as logits (grammar mask, banned tokens, penalties, temperature, top-k / top-p /
-    min-p applied; greedy rows are left untempered), and the greedy token of each row."""
-    logits = logits.clone()
+    min-p applied; greedy rows are left untempered), and the greedy token of each row. `logits` is left as it was
+    (a copy where a step below changes it in place)."""
+    if md.grammar_rows or md.banned_token_ids or md.penalty_rows:
+        logits = logits.clone()
     if md.grammar_rows:
         apply_grammar_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
     for row, tokens in md.banned_token_ids.items():

@@ -54,23 +54,27 @@ class SelfAttention(nn.Module):
             q, k, v = qkv.split([self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        per_head_norms = self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim
-        if per_head_norms:
-            q, k = self.q_norm(q), self.k_norm(k)
-        ops = cpu_fused_ops(q)
-        if q.is_cuda:  # in place, one Triton kernel each
-            from inferno.kernels.triton_fused import rotary_
-            q, k = rotary_(q, rotations), rotary_(k, rotations)
-        elif ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # native, one call
-            qk = torch.cat([q, k], dim=1) if per_head_norms else qkv[:, :self.num_heads + self.num_kv_heads]
-            q, k = ops.rotary(qk, rotations).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            qk = apply_rotary(torch.cat([q, k], dim=1), rotations)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        attended = self.attn(q, k, v, meta)
+        q, k = self.rotated_qk(qkv[:, :self.num_heads + self.num_kv_heads], rotations)
+        attended = self.attn(q, k, qkv[:, self.num_heads + self.num_kv_heads:], meta)
         out = self.o_proj(attended)
         return out if lora is None else add_lora(out, attended, self.o_lora, lora)
+
+    def rotated_qk(self, qk: torch.Tensor, rotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [T, heads + kv_heads, D], a view of the projection's output -> q and k, normed per head (qwen3,
+        gemma3) and rotated."""
+        if self.q_norm is not None and self.q_norm.weight.shape[0] == self.head_dim:  # per-head norms
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        if qk.is_cuda:  # in place, one Triton kernel each
+            from inferno.kernels.triton_fused import rotary_
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            return rotary_(q, rotations), rotary_(k, rotations)
+        ops = cpu_fused_ops(qk)
+        if ops is not None and rotations.is_contiguous() and rotations.dtype == torch.float32:  # native, one call
+            rotated = ops.rotary(qk, rotations)
+        else:
+            rotated = apply_rotary(qk, rotations)
+        return rotated.split([self.num_heads, self.num_kv_heads], dim=1)
 
 
 class DecoderLayer(nn.Module):
@@ -87,15 +91,23 @@ class DecoderLayer(nn.Module):
         self.mlp = (SparseMoE(config, parallel) if moe is not None and layer not in moe.dense_layers
                     else MLP(config.hidden_size, config.intermediate_size, config.hidden_act, parallel))
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor, meta, lora: LoRAMapping | None = None) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rotations, meta, lora)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotations: torch.Tensor, meta,
+                lora: LoRAMapping | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream `residual` (None: x is the stream)
+        -> (this layer's output, the stream it is to be added to). Each add runs in the norm after it (one kernel);
+        the model adds the last layer's output itself."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn = self.self_attn(h, rotations, meta, lora)
         mlp = self.mlp if lora is None else lambda h: self.mlp(h, lora)  # adapters: dense MLPs only (model/lora.py)
         if self.pre_feedforward_layernorm is None:  # post_attention_layernorm is the feed-forward's input norm
-            h, x = self.post_attention_layernorm.add_and_norm(attn, x)
-            return x + mlp(h)
+            h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+            return mlp(h), residual
         # Gemma: norms on both sides of the attention and of the feed-forward block
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
+        residual = residual + self.post_attention_layernorm(attn)
+        return self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(residual))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,9 +164,10 @@ class LlamaForCausalLM(nn.Module):
                 x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         rotations = self.rotary.rotations(positions)
         local = rotations if self.local_rotary is None else self.local_rotary.rotations(positions)
+        layers, residual = list(self.layers), None  # indexing the ModuleList itself costs microseconds per layer
         for i in self.stage_layers:
-            x = self.layers[i](x, local if self.config.is_sliding(i) else rotations, meta, lora)
-        return x
+            x, residual = layers[i](x, residual, local if self.config.is_sliding(i) else rotations, meta, lora)
+        return x if residual is None else x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits on tensor rank 0 of the first stage; None on the other tensor ranks."""
@@ -162,4 +175,6 @@ class LlamaForCausalLM(nn.Module):
         if logits is None:
             return None
         cap = self.config.final_logit_softcapping
-        return logits.float() if cap is None else torch.tanh(logits.float() / cap) * cap
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -253,7 +253,7 @@ class ModelRunner:
                 attn.copy_blocks(sources, destinations)
         if self.parallel.pp_size == 1:
             batches = step.micro_batches
-            outputs = (self._keep_step_hidden(mb, self.forward(mb))[mb.output_rows] for mb in batches)
+            outputs = (output_rows(self._keep_step_hidden(mb, self.forward(mb)), mb.output_rows) for mb in batches)
         elif not self.parallel.is_first_stage:
             run_later_stage(self.forward, step, self.parallel, self.config.hidden_size, self.dtype, self.device)
             return None, None
@@ -268,7 +268,7 @@ class ModelRunner:
                 logit_hidden.append(hidden[:len(mb.logit_rows)])
                 logits.append(self.model.compute_logits(logit_hidden[-1]))
             pooling.append(hidden[len(mb.logit_rows):])
-        logits = torch.cat(logits) if logits and logits[0] is not None else None
+        logits = (logits[0] if len(logits) == 1 else torch.cat(logits)) if logits and logits[0] is not None else None
         if self.draft_hidden is not None:
             self._logit_hidden = torch.cat(logit_hidden) if logit_hidden else None
         return logits, torch.cat(pooling) if step.num_pooling_rows else None
@@ -384,7 +384,7 @@ class ModelRunner:
         if requests:
             md = sampling_metadata([(r, []) for r in requests], self.config.vocab_size,
                                    [bitmasks.get(r.request_id) for r in requests], self.device)
-            result = self.sampler(logits[plan.sample_rows], md)
+            result = self.sampler(output_rows(logits, plan.sample_rows), md)
             sampled = result.sampled_token_ids.tolist()
             for i, req in enumerate(requests):
                 out.sampled_token_ids[req.request_id] = [sampled[i]]
@@ -444,6 +444,12 @@ class ModelRunner:
         emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
         for req, tokens in zip(plan.spec_requests, emitted):
             out.sampled_token_ids[req.request_id] = tokens
+
+
+def output_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows]: the first rows as they are where those are all of them in order (every decode step), without
+    an indexing operator's copy."""
+    return hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
 
 
 class WarmUpStopped(BaseException):

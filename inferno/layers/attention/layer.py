@@ -20,6 +20,27 @@ class Attention(nn.Module):
         self.v_scale: torch.Tensor | None = None
         self.backend = None  # the model's AttentionBackend, set by the model runner with the caches
 
+    # The caches, and the same as [slots, kv_heads, head_dim] (strided views: the caches are head-major), where a
+    # step's new K/V rows go by slot: made once with each cache, not at every layer of every step
+    @property
+    def k_cache(self) -> torch.Tensor | None:
+        return self._k_cache
+
+    @k_cache.setter
+    def k_cache(self, cache: torch.Tensor | None) -> None:
+        self._k_cache, self.k_slots = cache, self._slots(cache)
+
+    @property
+    def v_cache(self) -> torch.Tensor | None:
+        return self._v_cache
+
+    @v_cache.setter
+    def v_cache(self, cache: torch.Tensor | None) -> None:
+        self._v_cache, self.v_slots = cache, self._slots(cache)
+
+    def _slots(self, cache: torch.Tensor | None) -> torch.Tensor | None:
+        return None if cache is None else cache.view(self.num_kv_heads, -1, self.head_dim).transpose(0, 1)
+
     def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copy-on-write: whole blocks of this layer's cache, `sources[i]` to `destinations[i]` (a quantized cache's
         codes, as bytes: CPU indexing has no fp8 kernel, and their scales)."""

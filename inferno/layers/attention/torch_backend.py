@@ -99,6 +99,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self.write(layer, k, v, meta.slot_mapping)
+        if not meta.prefills and len(meta.decode_groups) == 1:  # decodes in one group: their output as it comes
+            return self.decode(layer, q, meta.decode_groups[0]).view(q.shape[0], -1)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.start:group.end] = self.decode(layer, q[group.start:group.end], group)
@@ -121,13 +123,17 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def write(layer: Attention, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if layer.k_scale is None:  # in the cache's dtype (float16 under a float32 model on the CPU)
+        """The new K/V rows into the layer's cache, in its dtype (float16 under a float32 model on the CPU)."""
+        if layer.k_scale is not None:
+            write_kv(layer.k_cache, layer.k_scale, slot_mapping, k)
+            write_kv(layer.v_cache, layer.v_scale, slot_mapping, v)
+        elif torch.compiler.is_compiling():  # views made in the graph: one kept between calls would alias its input
             for cache, x in ((layer.k_cache, k), (layer.v_cache, v)):
                 cache.view(layer.num_kv_heads, -1, layer.head_dim).index_copy_(1, slot_mapping,
                                                                               x.transpose(0, 1).to(cache.dtype))
-        else:
-            write_kv(layer.k_cache, layer.k_scale, slot_mapping, k)
-            write_kv(layer.v_cache, layer.v_scale, slot_mapping, v)
+        else:  # the same copies, through the layer's kept views
+            layer.k_slots.index_copy_(0, slot_mapping, k.to(layer.k_slots.dtype))
+            layer.v_slots.index_copy_(0, slot_mapping, v.to(layer.v_slots.dtype))
 
     def decode(self, layer: Attention, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """One query per request: scores [kv_heads, B, q_per_kv, L] from one batched matmul over gathered blocks."""

@@ -7,7 +7,7 @@ from torch import nn
 
 from inferno.kernels import TILE_ROWS, quantized_gemv
 from inferno.layers.quantization.groups import GroupQuantized, PackedInt4, ZeroPointInt4, pad_columns, quantize_int4
-from inferno.layers.quantization.linear import QuantizedLinear
+from inferno.layers.quantization.linear import QuantizedLinear, float_rows
 
 INT4_CHUNK_BLOCKS = 16  # blocks of 32 columns whose codes the int4 kernel sums in one go
 
@@ -55,10 +55,10 @@ class Int4Linear(QuantizedLinear):
         return torch.ops.inferno.int4_tile(self.weight, self.padded_in_features, self.group_size)
 
     def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.int4_tiles_matmul(x.float().contiguous(), tiles, self.zero_points)
+        return torch.ops.inferno.int4_tiles_matmul(float_rows(x), tiles, self.zero_points)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.int4_q8_matmul(x.float().contiguous(), self.weight, self.group_size, self.zero_points)
+        return torch.ops.inferno.int4_q8_matmul(float_rows(x), self.weight, self.group_size, self.zero_points)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, padded K] in `dtype` (computed in float32)."""

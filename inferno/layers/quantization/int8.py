@@ -12,7 +12,7 @@ from torch import nn
 
 from inferno.kernels import quantized_gemv
 from inferno.layers.quantization.groups import GroupQuantized, quantize_groups, quantize_int8
-from inferno.layers.quantization.linear import QuantizedLinear
+from inferno.layers.quantization.linear import QuantizedLinear, float_rows
 
 
 class Int8Linear(QuantizedLinear):
@@ -68,9 +68,9 @@ class Int8GroupLinear(QuantizedLinear):
         return w.view(n, groups * self.group_size)[:, :k].to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.int8_group_matmul(x.float().contiguous(), self.weight, self.scales, self.mins,
+        return torch.ops.inferno.int8_group_matmul(float_rows(x), self.weight, self.scales, self.mins,
                                                    self.group_size)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """In float32 whatever the CPU (the weight exactly as the kernel computes it)."""
-        return F.linear(x.float().contiguous(), self.dequantize())
+        return F.linear(float_rows(x), self.dequantize())

@@ -78,8 +78,9 @@ class QuantizedLinear(nn.Module):
         return () if self.tiles is None else self.unread_when_tiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        # a decode step calls this some 120 times: the reshapes and casts are skipped where they would change
+        # nothing (each is an operator dispatched from Python, several microseconds apiece)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self.padded_in_features != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
         tiles = self.tiles  # once: the warm-up thread may set it meanwhile
@@ -89,5 +90,13 @@ class QuantizedLinear(nn.Module):
             y = self.matmul(x2)
         else:
             y = self.gemm(x2)
-        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def float_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous float32 rows, as the native kernels take them: x itself where it is (no operator called)."""
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()

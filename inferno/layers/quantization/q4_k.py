@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from inferno.kernels import TILE_ROWS, q4_k_gemv
+from inferno.layers.quantization.linear import float_rows
 from inferno.layers.quantization.super_blocks import SuperBlockLinear, SuperBlocks
 
 
@@ -46,10 +47,10 @@ class Q4KLinear(SuperBlockLinear):
         return q4_k_gemv()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q4_k_matmul(x.float().contiguous(), self.weight)
+        return torch.ops.inferno.q4_k_matmul(float_rows(x), self.weight)
 
     def make_tiles(self) -> torch.Tensor:
         return torch.ops.inferno.q4_k_tile(self.weight)
 
     def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q4_k_tiles_matmul(x.float().contiguous(), tiles)
+        return torch.ops.inferno.q4_k_tiles_matmul(float_rows(x), tiles)

@@ -12,6 +12,7 @@ from torch import nn
 
 from inferno.kernels import TILE_ROWS, q6_k_gemv
 from inferno.layers.quantization.groups import Q8Groups
+from inferno.layers.quantization.linear import float_rows
 from inferno.layers.quantization.super_blocks import SuperBlockLinear, SuperBlocks
 
 BLOCK_BYTES = 210  # per super-block
@@ -58,13 +59,13 @@ class Q6KLinear(SuperBlockLinear):
         return q6_k_gemv()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q6_k_matmul(x.float().contiguous(), self.weight)
+        return torch.ops.inferno.q6_k_matmul(float_rows(x), self.weight)
 
     def make_tiles(self) -> torch.Tensor:
         return torch.ops.inferno.q6_k_tile(self.weight)
 
     def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q6_k_tiles_matmul(x.float().contiguous(), tiles)
+        return torch.ops.inferno.q6_k_tiles_matmul(float_rows(x), tiles)
 
 
 class Q6KEmbedding(nn.Module):

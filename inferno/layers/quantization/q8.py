@@ -6,7 +6,7 @@ import torch
 
 from inferno.kernels import TILE_ROWS, quantized_gemv
 from inferno.layers.quantization.groups import LM_HEAD_GROUP_SIZE, Q8Groups, quantize_q8_symmetric
-from inferno.layers.quantization.linear import QuantizedLinear
+from inferno.layers.quantization.linear import QuantizedLinear, float_rows
 
 
 class Q8Linear(QuantizedLinear):
@@ -44,10 +44,10 @@ class Q8Linear(QuantizedLinear):
         return torch.ops.inferno.q8_tile(self.weight, self.scales)
 
     def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q8_tiles_matmul(x.float().contiguous(), tiles)
+        return torch.ops.inferno.q8_tiles_matmul(float_rows(x), tiles)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.int8_q8_matmul(x.float().contiguous(), self.weight, self.scales, self.mins,
+        return torch.ops.inferno.int8_q8_matmul(float_rows(x), self.weight, self.scales, self.mins,
                                                 self.group_size)
 
     @property
