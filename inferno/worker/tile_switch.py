@@ -1,13 +1,13 @@
 """When a model's quantized weights switch from their stored blocks to tiles (`QuantizedLinear.tile`).
 
-The tiles' kernels sum the same integers in another order, so they round differently in the last bit, which the next
-layer's int8 activations amplify: a switch at a moment that depends on timing (between two layers of a pass, or
-before one step in one run and after it in another) changed tokens from run to run. So a runner switches at one
-place, its `TileSwitch`, and only between two passes over its weights: every pass (a step, a run of flat batches, a
-draft model's proposal, a Medusa proposal on the target's head, a pass of head training) runs inside `step()`, the
-first one on the stored blocks and every later one on the tiles, made by the warm-up in the background between
-them or, if it has not got to them yet, at the start of the second pass. An engine idle for the warm-up's delay
-after start-up has them made before its first pass (`tile_between_steps`)."""
+The tiles' kernels sum the same integers, some in another order (int4's, Q8's, Q6_K's), so they can round
+differently in the last bit, which the next layer's int8 activations amplify: a switch at a moment that depends on
+timing (between two layers of a pass, or before one step in one run and after it in another) changed tokens from
+run to run. So a runner switches at one place, its `TileSwitch`, and only between two passes over its weights:
+every pass (a step, a run of flat batches, a draft model's proposal, a Medusa proposal on the target's head, a pass
+of head training) runs inside `step()`, the first one on the stored blocks and every later one on the tiles, made by
+the warm-up in the background between them or, if it has not got to them yet, at the start of the second pass. An
+engine idle for the warm-up's delay after start-up has them made before its first pass (`tile_between_steps`)."""
 import logging
 import threading
 import time
