@@ -16,9 +16,9 @@ from inferno.layers.quantization.int4 import Int4Linear
 from inferno.layers.quantization.q8 import Q8Linear
 from inferno.layers.quantization.super_blocks import SuperBlockLinear
 from inferno.sampling_params import RequestOutputKind
-from inferno.worker import model_runner
+from inferno.worker import warm_up
 from inferno.worker.compiled_decode import vector_width_option
-from inferno.worker.model_runner import ModelRunner
+from inferno.worker.warm_up import WarmUp
 from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
 from tiny_models import write_hf_model
@@ -109,11 +109,11 @@ def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monke
     """Requests start while the decode step is still compiling (held back here), run eagerly, and finish on the
     compiled step once it is handed over: the same tokens as all-eager, no block leaked, nothing compiled twice."""
     release = threading.Event()
-    compile_decode_step = ModelRunner._compile_decode_step
-    monkeypatch.setattr(ModelRunner, "_compile_decode_step",
+    compile_decode_step = WarmUp._compile_decode_step
+    monkeypatch.setattr(WarmUp, "_compile_decode_step",
                         lambda self: (release.wait(), compile_decode_step(self)))
     # both engines tile between their first step and their second (not before the first, were either idle a while)
-    monkeypatch.setattr(model_runner, "WARM_UP_DELAY", 600)
+    monkeypatch.setattr(warm_up, "WARM_UP_DELAY", 600)
     # int4 weights: their kernels quantize each layer's input to int8 (as the default model's do)
     eager = LLM(model, kv_cache_memory=16 << 20, dtype="float32", quantization="int4", enforce_eager=True)
     llm = LLM(model, kv_cache_memory=16 << 20, dtype="float32", quantization="int4", enforce_eager=False)

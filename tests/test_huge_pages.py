@@ -11,7 +11,7 @@ from torch import nn
 
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
-from inferno.worker import model_runner
+from inferno.worker import warm_up
 from inferno.worker.huge_pages import (HUGE_PAGE, Mapping, huge_page_size, move_weights_to_huge_pages,
                                        movable_ranges, read_mappings, weight_ranges)
 from tiny_gguf import T, write_tiny_gguf
@@ -92,11 +92,11 @@ def test_the_warm_up_moves_the_engines_weights_without_changing_a_token(tmp_path
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     calls = []  # (model, bytes moved or None): other engines' warm-ups (the suite's) may call too
-    monkeypatch.setattr(model_runner, "move_weights_to_huge_pages", lambda model: calls.append((model, None)))
+    monkeypatch.setattr(warm_up, "move_weights_to_huge_pages", lambda model: calls.append((model, None)))
     unmoved = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
     assert not unmoved.wait_for_warm_up()
     expected = [o.outputs[0].token_ids for o in unmoved.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(model_runner, "move_weights_to_huge_pages",
+    monkeypatch.setattr(warm_up, "move_weights_to_huge_pages",
                         lambda model: calls.append((model, move_weights_to_huge_pages(model))))
     llm = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True)
     during = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -19,7 +19,7 @@ from inferno.layers.quantization.super_blocks import SuperBlockLinear
 from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
 from inferno.worker.huge_pages import tensor_span, weight_ranges
-from inferno.worker import model_runner
+from inferno.worker import warm_up
 from native_kernels import EACH_ISA_LEVEL, isa_level_outputs, isa_level_tiles_outputs, needs_kernels
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks, write_tiny_gguf
@@ -241,7 +241,7 @@ def test_the_engine_tiles_its_4_bit_weights_between_the_first_step_and_the_secon
     tiles (never some layers of a step on each), so a second engine gives the same log-probabilities bit for bit
     (the tiles' sums equal the stored kernels': test_kernels); the stored blocks are no longer among the weights
     moved onto huge pages."""
-    monkeypatch.setattr(model_runner, "WARM_UP_DELAY", 600)  # no tiling before the first step, however slow
+    monkeypatch.setattr(warm_up, "WARM_UP_DELAY", 600)  # no tiling before the first step, however slow
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     prompts = ["The capital of France is", "def fibonacci(n):"]

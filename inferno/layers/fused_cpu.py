@@ -7,10 +7,17 @@ import torch
 
 from inferno.kernels import fused_ops
 
+# fused_ops() once looked up: by the first eager step, or by `resolve_fused_ops` before a trace (which must not trace
+# into the kernel library's loading)
+_RESOLVED: list = []
 
-# fused_ops() as the eager steps found it, for the compiled one: dynamo would trace into its build (the model runner
-# runs an eager step before it compiles)
-EAGER_ANSWER: list = []
+
+def resolve_fused_ops():
+    """The `torch.ops.inferno` namespace holding the fused kernels, or None where they are not built; a compile calls
+    it before it traces a model."""
+    if not _RESOLVED:
+        _RESOLVED.append(fused_ops())
+    return _RESOLVED[0]
 
 
 def cpu_fused_ops(x: torch.Tensor):
@@ -18,9 +25,8 @@ def cpu_fused_ops(x: torch.Tensor):
     layer: the common case (a CPU step once the answer is known) first, at the cost of two attribute reads."""
     if not x.is_cpu:
         return None
-    if EAGER_ANSWER:
-        return EAGER_ANSWER[0]
+    if _RESOLVED:
+        return _RESOLVED[0]
     if torch.compiler.is_compiling():
-        return None
-    EAGER_ANSWER.append(fused_ops())
-    return EAGER_ANSWER[0]
+        raise RuntimeError("a model is traced before resolve_fused_ops(): the trace would take the unfused path")
+    return resolve_fused_ops()

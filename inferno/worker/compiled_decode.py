@@ -10,7 +10,7 @@ everything else, the KV caches included, is static (their block capacity stays t
 width, the row counts where quantized layers switch kernels) are kept and checked at every call; a step that fails
 them runs eagerly. What the dropped guards would have checked (the modules, their tensors' shapes, the globals, the
 code) is in the artifact's key instead (`compile_cache.precompiled_key`). The layers call the same native kernels
-traced as eager (layers/fused_cpu.py), so both paths give the same bits."""
+traced as eager (layers/fused_cpu.py: looked up before the trace), so both paths give the same bits."""
 import functools
 import logging
 import sys
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferno.layers.fused_cpu import resolve_fused_ops
 from inferno.layers.lora import LoRAMapping, LoRAStack
 from inferno.worker.compile_cache import compile_cache_hits
 
@@ -106,7 +107,8 @@ class CompiledDecode:
 
 def compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_size: int) -> CompiledDecode:
     """Both graphs traced and built (from inductor's caches where it has them), each logged with its phases (dynamo's
-    timers)."""
+    timers). The fused elementwise kernels are looked up first: the graphs call the ones the eager steps call."""
+    resolve_fused_ops()
     with fx_patches_on_this_thread_only():
         return _compile_graphs(model, attention, scratch_block, block_size)
 

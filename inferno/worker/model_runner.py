@@ -1,13 +1,4 @@
 """Runs one scheduled step: flat input tensors from the schedule, the forward pass(es), sampling."""
-import atexit
-import ctypes
-import logging
-import os
-import sys
-import threading
-import time
-import weakref
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -20,38 +11,22 @@ from inferno.layers.attention import select_attention_backend
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.lora import LoRAMapping
-from inferno.layers.quantization.linear import QuantizedLinear
 from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
 from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.pipeline import run_first_stage, run_later_stage
-from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, precompiled_key, precompiled_path,
-                                         read_precompiled, stable_block_capacity, use_compile_cache, write_precompiled)
-from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, load_graphs,
-                                           scratch_inputs, warm_up_graphs)
+from inferno.worker.compile_cache import stable_block_capacity
+from inferno.worker.compiled_decode import CompiledDecode
 from inferno.worker.cpu_malloc import keep_freed_memory
 from inferno.worker.cuda_graphs import DecodeGraphs
-from inferno.worker.huge_pages import move_weights_to_huge_pages
-from inferno.worker.kv_cache import available_memory, lazily_zeroed
+from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.lora_manager import LoRAManager
 from inferno.worker.pooler import pool
 from inferno.worker.request_state import CachedRequestState, update_states
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
-
-
-logger = logging.getLogger("inferno")
-
-# the warm-up thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
-# starved for long by other processes, which would stall the serving thread waiting for the GIL
-WARM_UP_NICENESS = 10
-# seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
-# GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
-WARM_UP_DELAY = 1.0
-# seconds the serving thread may wait for the GIL while the warm-up compiles (Python's default is 5 ms)
-WARM_UP_SWITCH_INTERVAL = 0.0002
-# seconds the interpreter's exit waits for a warm-up thread to stop (see stop_warm_ups)
-WARM_UP_STOP_WAIT = 10.0
+from inferno.worker.tile_switch import TileSwitch
+from inferno.worker.warm_up import WarmUp
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str) -> int:
@@ -88,7 +63,7 @@ class ModelRunner:
         # LoRA adapters: stacks on the projections (before the warm-up compiles the decode step with them)
         self.lora = LoRAManager(model, engine_config, device) if engine_config.enable_lora else None
         # Decode-only steps of a single-rank model with the native kernel switch to a torch.compile'd forward once
-        # a background thread has compiled it (see _compile_decode_step); until then they run eagerly.
+        # the warm-up has compiled it (worker/warm_up.py); until then they run eagerly.
         self.compiled_decode: CompiledDecode | None = None
         # a compiled or captured decode step (single rank, not MoE: its routing is data-dependent control flow) is
         # warmed up on one block beyond the pool, a scratch block no request can hold; an embedding model
@@ -121,23 +96,14 @@ class ModelRunner:
             max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_forward, engine_config.max_num_seqs,
                                               cdiv(max_model_len, self.block_size), self.scratch_block, device)
-        # The quantized weights are regrouped into tiles (CPU) by the warm-up once the first step is over (or before
-        # any, WARM_UP_DELAY seconds after start-up), else at the start of the second step: never during a step
-        # (each holds `tiling`), so the first step runs every layer on the stored blocks and every later step every
-        # layer on tiles, and the same requests get the same tokens in every run (a switch at a token that depended
-        # on timing changed them: the kernels round differently in the last bit, which the next layer's int8
-        # activations amplify). The first token is not held up by it.
-        self.tiling = threading.Lock()
-        self.tiled = device.type != "cpu"
-        # the background warm-up: the decode step compiled, then the weights moved onto huge pages (CPU); it starts
-        # after the first step (or WARM_UP_DELAY seconds without one), which it would slow down
-        self.first_step_done = threading.Event()
-        self.warm_up_thread: threading.Thread | None = None
+        # every pass over the weights runs inside the switch: the first on the stored blocks, later ones on tiles (CPU)
+        self.tile_switch = TileSwitch(model, enabled=device.type == "cpu")
+        self.warm_up: WarmUp | None = None
         if compile_decode or device.type == "cpu":
-            self.warm_up_thread = threading.Thread(target=self._warm_up, args=(compile_decode,),
-                                                   name="inferno-warm-up", daemon=True)
-            self.warm_up_thread.start()
-            WARMING_UP.add(self)
+            self.warm_up = WarmUp(model, self.attention, self.tile_switch, compile_decode,
+                                  huge_pages=device.type == "cpu", scratch_block=self.scratch_block,
+                                  block_size=self.block_size, hand_over=self._use_compiled_decode)
+            self.warm_up.start()
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -155,78 +121,17 @@ class ModelRunner:
 
     def wait_for_warm_up(self, timeout: float | None = None) -> bool:
         """Block until the background warm-up is over (the steady state); True if decode steps now run compiled."""
-        if self.warm_up_thread is not None:
-            self.warm_up_thread.join(timeout)
-        return self.compiled_decode is not None
+        return self.warm_up is not None and self.warm_up.wait(timeout)
 
-    def _warm_up(self, compile_decode: bool) -> None:
-        """The warm-up thread, at a lower OS priority (Linux), as are the compiler processes it starts, so serving
-        keeps its core."""
-        lower_thread_priority()
-        switch_interval = sys.getswitchinterval()
-        try:
-            self.first_step_done.wait(WARM_UP_DELAY)
-            with self.tiling:  # after the first step (or before any, on an idle engine), unless the second did
-                self._tile_once()
-            if compile_decode:
-                # Tracing and code generation hold the GIL, which the serving thread gives up in every op call
-                # and then waits for, up to a switch interval each time (the convoy effect): at the default 5 ms,
-                # a SmolLM2 decode step's few hundred calls took seconds
-                sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
-                try:
-                    self._compile_decode_step()
-                finally:
-                    sys.setswitchinterval(switch_interval)
-            if self.device.type == "cpu":
-                try:
-                    move_weights_to_huge_pages(self.model)
-                except Exception:  # an optimisation: serving goes on from the pages the weights are on
-                    logger.exception("moving the weights onto huge pages failed; they stay where they are")
-        except WarmUpStopped:  # the interpreter is exiting
-            pass
-
-    def stop_warm_up(self) -> None:
-        """End the warm-up thread where it is, for the interpreter's exit (see stop_warm_ups): raises WarmUpStopped
-        in it, which takes effect at its next Python instruction (a tile, a traced op, a huge-page chunk)."""
-        thread = self.warm_up_thread
-        if thread is not None and thread.is_alive():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(WarmUpStopped))
-            thread.join(WARM_UP_STOP_WAIT)
-
-    def _tile_once(self) -> None:
-        """Tiles (`_tile_weights`) unless made already; with `tiling` held."""
-        if not self.tiled:
-            self._tile_weights()
-            self.tiled = True
-
-    def _tile_weights(self) -> None:
-        """Regroup the quantized weights that have tiles (`QuantizedLinear.tile`), unless the copies would take over
-        half the memory available."""
-        layers = [m for m in self.model.modules() if isinstance(m, QuantizedLinear) and m.can_tile]
-        size = sum(m.weight.nbytes for m in layers)
-        if not layers or size > available_memory() // 2:
-            if layers:
-                logger.info("weights stay untiled: tiles of %.2f GiB would take over half the memory available",
-                            size / 2**30)
-            return
-        start = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                for layer in layers:
-                    layer.tile()
-        except Exception:  # an optimisation: the layers not tiled run their stored blocks
-            logger.exception("regrouping the weights into tiles failed")
-            return
-        logger.info("%d quantized weights regrouped into tiles (%.2f GiB) in %.2f s", len(layers), size / 2**30,
-                    time.perf_counter() - start)
+    def _use_compiled_decode(self, compiled: CompiledDecode) -> None:
+        """The warm-up's hand-over: the next decode step runs compiled (the same bits as eager)."""
+        self.compiled_decode = compiled
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step on this rank: its requests brought up to date, the flat batches planned (every rank alike, one
         micro-batch per pipeline stage), the forward pass; rank 0 samples and returns the output."""
-        with self.tiling:
-            if self.first_step_done.is_set():  # from the second step on (the warm-up may have tiled meanwhile)
-                self._tile_once()
+        with self.tile_switch.step():
             update_states(self.requests, sched, self.device)
             plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
             logits, pooling_hidden = self.forward_step(plan.step)
@@ -234,14 +139,13 @@ class ModelRunner:
             if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)
                 normed = self.model.norm(pooling_hidden).float() if pooling_hidden is not None else None
                 output.pooler_output = pool(plan.pooling, normed)
-        if not self.first_step_done.is_set():  # once: Event.set takes a lock
-            self.first_step_done.set()
         return output
 
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Logits [step.num_logit_rows, vocab] on rank 0; None on the other ranks."""
-        return self.forward_step(step)[0]
+        with self.tile_switch.step():
+            return self.forward_step(step)[0]
 
     def forward_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [step.num_logit_rows, vocab] and the final hidden states of the pooling rows (before the final
@@ -279,7 +183,9 @@ class ModelRunner:
         return hidden
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
+        """This stage's output hidden states for one flat batch (`hidden`: the previous stage's); inside a pass
+        (`tile_switch.step()`), which `execute_model` and `run_step` hold."""
+        assert self.tile_switch.in_step, "a forward pass outside tile_switch.step() could switch weights half-way"
         decodes = mb.decodes
         lora = self._lora_mapping(mb)
         if self.decode_graphs is not None and not mb.prefills and hidden is None and lora is None:
@@ -306,69 +212,6 @@ class ModelRunner:
             return None
         requests = {s.lora_int_id: s.lora_request for s in self.requests.values() if s.lora_request is not None}
         return self.lora.mapping(mb.lora_ids, requests)
-
-    def _compile_decode_step(self) -> None:
-        """The warm-up's compile: the decode graphs (worker/compiled_decode.py) loaded from the compile cache, else
-        compiled and saved there, then run once on the scratch block and handed to the serving thread
-        (`compiled_decode`), which picks them up at its next step.
-
-        Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
-        hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
-        modules. The warm-up calls do run the graphs on the real caches, but write only the scratch block."""
-        folder = use_compile_cache()
-        start = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                compiled = self._load_or_compile(folder)
-        except Exception:
-            logger.exception("compiling the decode step failed; decode steps stay eager")
-            return
-        self.compiled_decode = compiled
-        logger.info("decode steps run compiled from now on (warmed up in %.1f s; compile cache %s)",
-                    time.perf_counter() - start, folder)
-
-    def _load_or_compile(self, folder: Path) -> CompiledDecode:
-        """The precompiled step of this model and configuration if the compile cache has a sound one, else the step
-        compiled (once more from scratch where an entry of inductor's caches broke it) and saved."""
-        scratch = (self.model, self.attention, self.scratch_block, self.block_size)
-        start = time.perf_counter()
-        options = compile_options()  # imports inductor and runs its ISA probe: most of this phase
-        options_made = time.perf_counter()
-        # what the trace reads: the model and its attention backend (the engine's options as they hold them: the KV
-        # caches' dtype and capacity, the backend, the quantized layers), and inductor's options
-        path = precompiled_path(folder, precompiled_key(self.model, self.attention, options))
-        logger.info("decode step: looking for its precompiled graphs (inductor loaded in %.2f s, key made in %.2f s)",
-                    options_made - start, time.perf_counter() - options_made)
-        if (serialized := read_precompiled(path)) is not None:
-            try:
-                return self._load_graphs(serialized, path)
-            except Exception:
-                logger.exception("the precompiled decode step %s cannot be used; compiling afresh", path)
-                path.unlink(missing_ok=True)
-                clear_compile_cache(folder)  # its libraries may be what broke
-        self._decode_forward(*scratch_inputs(1, self.scratch_block, self.block_size)[:5])  # fused_cpu's lazy picks
-        hits = compile_cache_hits()
-        try:
-            compiled = compile_graphs(*scratch)
-            warm_up_graphs(compiled, *scratch)
-        except Exception:
-            if compile_cache_hits() == hits:
-                raise
-            logger.exception("a compiled decode graph from the compile cache failed; compiling afresh")
-            clear_compile_cache(folder)
-            compiled = compile_graphs(*scratch)
-            warm_up_graphs(compiled, *scratch)
-        write_precompiled(path, compiled.serialized)
-        return compiled
-
-    def _load_graphs(self, serialized: dict[str, bytes], path: Path) -> CompiledDecode:
-        start = time.perf_counter()
-        compiled = load_graphs(serialized)
-        loaded = time.perf_counter()
-        warm_up_graphs(compiled, self.model, self.attention, self.scratch_block, self.block_size)
-        logger.info("decode graphs loaded from %s in %.1f s (no tracing), first calls %.1f s", path.name,
-                    loaded - start, time.perf_counter() - loaded)
-        return compiled
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -450,31 +293,6 @@ def output_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """hidden[rows]: the first rows as they are where those are all of them in order (every decode step), without
     an indexing operator's copy."""
     return hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
-
-
-class WarmUpStopped(BaseException):
-    """Raised in a warm-up thread at the interpreter's exit (a BaseException: no `except Exception` swallows it)."""
-
-
-# Runners whose warm-up thread may still run. A daemon thread still inside a C++ call (a torch op, the compiler) as
-# Python 3.11 finalizes is ended by pthread_exit, whose unwinding through noexcept C++ frames aborts the process
-# ("terminate called without an active exception", exit code 134): `inferno generate` used to end so whenever its
-# answer came before the warm-up's end. The threads are stopped first, while the interpreter is whole.
-WARMING_UP: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
-
-
-@atexit.register
-def stop_warm_ups() -> None:
-    for runner in list(WARMING_UP):
-        runner.stop_warm_up()
-
-
-def lower_thread_priority() -> None:
-    """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
-    except (AttributeError, OSError):
-        pass
 
 
 class SamplingState(Protocol):

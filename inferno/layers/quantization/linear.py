@@ -68,8 +68,9 @@ class QuantizedLinear(nn.Module):
     def tile(self) -> None:
         """Regroup the weight into tiles (every value kept). Their kernel is faster at every batch size, but the copy
         takes time (about 0.3 s per GB) and memory, so the model runner's background warm-up makes them, not the
-        loader; steps switch to the tiles at once (the same integer sums, added in another order). The stored
-        weight stays for `dequantize`, and the forward no longer reads it (`unread_buffers`)."""
+        loader, between two passes over the weights (worker/tile_switch.py: the forward reads the tiles as soon as
+        they are set). The stored weight stays for `dequantize`, and the forward no longer reads it
+        (`unread_buffers`)."""
         if self.can_tile and self.tiles is None:
             self.tiles = self.make_tiles()
 

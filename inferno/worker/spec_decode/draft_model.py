@@ -85,6 +85,11 @@ class DraftModelProposer:
         out = DraftOutput()
         if not wanted:
             return out
+        with self.runner.tile_switch.step():  # the k passes of a proposal on the same weights' kernels
+            self._propose(wanted, out)
+        return out
+
+    def _propose(self, wanted: list[tuple[DraftingRequest, int]], out: DraftOutput) -> None:
         chunks = []
         for req, _ in wanted:
             cache = self.cached.get(req.request_id)
@@ -108,7 +113,6 @@ class DraftModelProposer:
                 out.draft_probs[req.request_id] = torch.stack(q).cpu()
             self.cached[req.request_id] = DraftCache(req.state, req.token_ids + tokens[:-1], list(req.block_ids),
                                                      req.num_preemptions)
-        return out
 
     def _step(self, chunks: list[TokenChunk], rows: list[tuple[DraftingRequest, list[int]]]) -> tuple[list[int], torch.Tensor | None]:
         """One draft forward pass: the next token of each chunk's sequence, and the distributions they were sampled

@@ -110,24 +110,26 @@ class EagleProposer:
             valid = min(cache.num_valid_positions(req, self.block_size) if cache else 0, req.num_tokens - 2)
             chunks.append(TokenChunk(req.token_ids[valid + 1:], valid, req.block_ids))
             features.append(self.runner.target_hidden.take(req.request_id, valid, req.num_tokens - 1, template))
-        features = self.target.norm(torch.cat(features))
-        drafts: list[list[int]] = [[] for _ in wanted]
-        probs: list[list[torch.Tensor]] = [[] for _ in wanted]
-        active = list(range(len(wanted)))
-        while active:
-            last = self._pass(chunks, features)
-            logits = self.head.logits(last, self.target.lm_head)
-            tokens, q = sample_drafts(logits, [(wanted[i][0], drafts[i]) for i in active],
-                                      self.target.config.vocab_size, self.runner.device)
-            for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                if q is not None and not wanted[i][0].sampling_params.greedy:
-                    probs[i].append(q[row])
-            going = [row for row, i in enumerate(active) if len(drafts[i]) < wanted[i][1]]
-            active = [active[row] for row in going]
-            chunks = [TokenChunk([drafts[i][-1]], wanted[i][0].num_tokens + len(drafts[i]) - 2,
-                                 wanted[i][0].block_ids) for i in active]
-            features = last[going]
+        # the target's embedding, norm and head: their weights may switch to tiles between passes
+        with self.runner.tile_switch.step():
+            features = self.target.norm(torch.cat(features))
+            drafts: list[list[int]] = [[] for _ in wanted]
+            probs: list[list[torch.Tensor]] = [[] for _ in wanted]
+            active = list(range(len(wanted)))
+            while active:
+                last = self._pass(chunks, features)
+                logits = self.head.logits(last, self.target.lm_head)
+                tokens, q = sample_drafts(logits, [(wanted[i][0], drafts[i]) for i in active],
+                                          self.target.config.vocab_size, self.runner.device)
+                for row, i in enumerate(active):
+                    drafts[i].append(tokens[row])
+                    if q is not None and not wanted[i][0].sampling_params.greedy:
+                        probs[i].append(q[row])
+                going = [row for row, i in enumerate(active) if len(drafts[i]) < wanted[i][1]]
+                active = [active[row] for row in going]
+                chunks = [TokenChunk([drafts[i][-1]], wanted[i][0].num_tokens + len(drafts[i]) - 2,
+                                     wanted[i][0].block_ids) for i in active]
+                features = last[going]
         for (req, _), tokens, q in zip(wanted, drafts, probs):
             out.spec_token_ids[req.request_id] = tokens
             if q:

@@ -24,8 +24,12 @@ def record_hidden_states(runner: ModelRunner, sequences: list[TrainingSequence])
     if cdiv(longest, runner.block_size) > runner.num_blocks:
         raise ValueError(f"a training sequence of {longest} tokens does not fit the KV cache's {runner.num_blocks} "
                          f"blocks of {runner.block_size}")
-    return [runner.model.norm(runner.forward(prefill_step(s.token_ids, runner.block_size).micro_batches[0])).float()
-            for s in sequences]
+    hidden = []
+    for s in sequences:
+        with runner.tile_switch.step():
+            out = runner.forward(prefill_step(s.token_ids, runner.block_size).micro_batches[0])
+            hidden.append(runner.model.norm(out).float())
+    return hidden
 
 
 def head_examples(hidden: torch.Tensor, sequence: TrainingSequence, num_heads: int
@@ -43,7 +47,7 @@ def head_examples(hidden: torch.Tensor, sequence: TrainingSequence, num_heads: i
 def dense_lm_head(runner: ModelRunner) -> torch.Tensor:
     """The target's LM head as a float32 matrix [vocab, hidden], whatever its weights' format (quantized ones
     included): its outputs for the unit vectors."""
-    with torch.inference_mode():
+    with torch.inference_mode(), runner.tile_switch.step():
         eye = torch.eye(runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
         weight = runner.model.lm_head(eye).float().t()
     return weight.clone()  # a normal tensor: an inference-mode one cannot take part in autograd

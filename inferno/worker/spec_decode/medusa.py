@@ -63,8 +63,9 @@ class MedusaProposer:
         out = DraftOutput()
         if not wanted:
             return out
-        normed = self.target.norm(torch.stack(hidden))
-        logits = self.heads.logits(normed, self.target.lm_head, max(k for _, k in wanted))
+        with self.runner.tile_switch.step():  # the target's head: its weights may switch to tiles between passes
+            normed = self.target.norm(torch.stack(hidden))
+            logits = self.heads.logits(normed, self.target.lm_head, max(k for _, k in wanted))
         drafts: list[list[int]] = [[] for _ in wanted]
         probs: list[list[torch.Tensor]] = [[] for _ in wanted]
         for depth in range(logits.shape[0]):

@@ -1,0 +1,185 @@
+"""A runner's background warm-up, which brings it to its steady-state speed without holding up the first token: the
+quantized weights regrouped into tiles (through the runner's TileSwitch), the decode step compiled (CPU), then the
+weights moved onto huge pages (CPU); docs/warm-up.md.
+
+Its life cycle: the ModelRunner makes it and `start`s it; `wait` blocks until it is over (`LLM.wait_for_warm_up`);
+`stop` ends it where it is, which the interpreter's exit does for every one still running (`stop_warm_ups`)."""
+import atexit
+import ctypes
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, precompiled_key, precompiled_path,
+                                         read_precompiled, use_compile_cache, write_precompiled)
+from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, load_graphs,
+                                           warm_up_graphs)
+from inferno.worker.huge_pages import move_weights_to_huge_pages
+from inferno.worker.tile_switch import TileSwitch
+
+logger = logging.getLogger("inferno")
+
+# the warm-up thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
+# starved for long by other processes, which would stall the serving thread waiting for the GIL
+WARM_UP_NICENESS = 10
+# seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
+# GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
+WARM_UP_DELAY = 1.0
+# seconds the serving thread may wait for the GIL while the warm-up compiles (Python's default is 5 ms)
+WARM_UP_SWITCH_INTERVAL = 0.0002
+# seconds the interpreter's exit waits for a warm-up thread to stop (see stop_warm_ups)
+WARM_UP_STOP_WAIT = 10.0
+
+
+class WarmUp:
+    """One runner's warm-up thread. `compile_decode`: compile the decode step (warmed up on `scratch_block`, a block
+    beyond the pool no request holds) and hand it to the runner with `hand_over`, which its next decode step uses;
+    `huge_pages`: move the weights afterwards."""
+
+    def __init__(self, model: torch.nn.Module, attention, tile_switch: TileSwitch, compile_decode: bool,
+                 huge_pages: bool, scratch_block: int | None, block_size: int,
+                 hand_over: Callable[[CompiledDecode], None]):
+        self.model, self.attention, self.tile_switch = model, attention, tile_switch
+        self.compile_decode, self.huge_pages = compile_decode, huge_pages
+        self.scratch_block, self.block_size = scratch_block, block_size
+        self.hand_over = hand_over
+        self.compiled = False  # whether decode steps were handed a compiled step
+        self._thread = threading.Thread(target=self._run, name="inferno-warm-up", daemon=True)
+
+    def start(self) -> None:
+        RUNNING.add(self)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the warm-up is over (at most `timeout` seconds); True if decode steps now run compiled."""
+        self._thread.join(timeout)
+        return self.compiled
+
+    def stop(self) -> None:
+        """End the thread where it is, for the interpreter's exit: raises WarmUpStopped in it, which takes effect at
+        its next Python instruction (a tile, a traced op, a huge-page chunk)."""
+        thread = self._thread
+        if thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(WarmUpStopped))
+            thread.join(WARM_UP_STOP_WAIT)
+
+    def _run(self) -> None:
+        """At a lower OS priority (Linux), as are the compiler processes it starts, so serving keeps its core."""
+        lower_thread_priority()
+        try:
+            self.tile_switch.tile_between_steps(WARM_UP_DELAY)
+            if self.compile_decode:
+                self._compile_decode_step()
+            if self.huge_pages:
+                try:
+                    move_weights_to_huge_pages(self.model)
+                except Exception:  # an optimisation: serving goes on from the pages the weights are on
+                    logger.exception("moving the weights onto huge pages failed; they stay where they are")
+        except WarmUpStopped:  # the interpreter is exiting
+            pass
+
+    def _compile_decode_step(self) -> None:
+        """The decode graphs (worker/compiled_decode.py) loaded from the compile cache, else compiled and saved there,
+        then run once on the scratch block and handed over.
+
+        Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
+        hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
+        modules (their tiles are final by now). The warm-up calls do run the graphs on the real caches, but write
+        only the scratch block.
+
+        Tracing and code generation hold the GIL, which the serving thread gives up in every op call and then waits
+        for, up to a switch interval each time (the convoy effect): at the default 5 ms a SmolLM2 decode step's few
+        hundred calls took seconds, so the interval is short meanwhile."""
+        folder = use_compile_cache()
+        start = time.perf_counter()
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
+        try:
+            with torch.inference_mode():
+                compiled = self._load_or_compile(folder)
+        except Exception:
+            logger.exception("compiling the decode step failed; decode steps stay eager")
+            return
+        finally:
+            sys.setswitchinterval(switch_interval)
+        self.hand_over(compiled)
+        self.compiled = True
+        logger.info("decode steps run compiled from now on (warmed up in %.1f s; compile cache %s)",
+                    time.perf_counter() - start, folder)
+
+    def _load_or_compile(self, folder: Path) -> CompiledDecode:
+        """The precompiled step of this model and configuration if the compile cache has a sound one, else the step
+        compiled (once more from scratch where an entry of inductor's caches broke it) and saved."""
+        start = time.perf_counter()
+        options = compile_options()  # imports inductor and runs its ISA probe: most of this phase
+        options_made = time.perf_counter()
+        # what the trace reads: the model and its attention backend (the engine's options as they hold them: the KV
+        # caches' dtype and capacity, the backend, the quantized layers), and inductor's options
+        path = precompiled_path(folder, precompiled_key(self.model, self.attention, options))
+        logger.info("decode step: looking for its precompiled graphs (inductor loaded in %.2f s, key made in %.2f s)",
+                    options_made - start, time.perf_counter() - options_made)
+        if (serialized := read_precompiled(path)) is not None:
+            try:
+                return self._load_graphs(serialized, path)
+            except Exception:
+                logger.exception("the precompiled decode step %s cannot be used; compiling afresh", path)
+                path.unlink(missing_ok=True)
+                clear_compile_cache(folder)  # its libraries may be what broke
+        hits = compile_cache_hits()
+        try:
+            compiled = self._compile_and_warm_up()
+        except Exception:
+            if compile_cache_hits() == hits:
+                raise
+            logger.exception("a compiled decode graph from the compile cache failed; compiling afresh")
+            clear_compile_cache(folder)
+            compiled = self._compile_and_warm_up()
+        write_precompiled(path, compiled.serialized)
+        return compiled
+
+    def _compile_and_warm_up(self) -> CompiledDecode:
+        scratch = (self.model, self.attention, self.scratch_block, self.block_size)
+        compiled = compile_graphs(*scratch)
+        warm_up_graphs(compiled, *scratch)
+        return compiled
+
+    def _load_graphs(self, serialized: dict[str, bytes], path: Path) -> CompiledDecode:
+        start = time.perf_counter()
+        compiled = load_graphs(serialized)
+        loaded = time.perf_counter()
+        warm_up_graphs(compiled, self.model, self.attention, self.scratch_block, self.block_size)
+        logger.info("decode graphs loaded from %s in %.1f s (no tracing), first calls %.1f s", path.name,
+                    loaded - start, time.perf_counter() - loaded)
+        return compiled
+
+
+class WarmUpStopped(BaseException):
+    """Raised in a warm-up thread at the interpreter's exit (a BaseException: no `except Exception` swallows it)."""
+
+
+# Warm-ups whose thread may still run. A daemon thread still inside a C++ call (a torch op, the compiler) as Python
+# 3.11 finalizes is ended by pthread_exit, whose unwinding through noexcept C++ frames aborts the process ("terminate
+# called without an active exception", exit code 134): `inferno generate` used to end so whenever its answer came
+# before the warm-up's end. The threads are stopped first, while the interpreter is whole.
+RUNNING: "weakref.WeakSet[WarmUp]" = weakref.WeakSet()
+
+
+@atexit.register
+def stop_warm_ups() -> None:
+    for warm_up in list(RUNNING):
+        warm_up.stop()
+
+
+def lower_thread_priority() -> None:
+    """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
+    except (AttributeError, OSError):
+        pass
