@@ -40,7 +40,8 @@ class EagleHead(nn.Module):
         """The head's features [T, hidden] over a flat batch on its paged KV cache: `embeds` of the tokens at p + 1,
         `features` (the target's, or the head's own while drafting) at p, `positions` p."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        return self.layers[0](x, self.rotary.rotations(positions), meta)
+        out, residual = self.layers[0](x, None, self.rotary.rotations(positions), meta)
+        return out + residual
 
     def logits(self, features: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Float32 logits of the token two positions after each feature's."""
