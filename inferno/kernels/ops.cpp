@@ -10,8 +10,8 @@ TORCH_LIBRARY(inferno, m) {
         "float scale, int window=0) -> Tensor");
 
   // prefill_attention.cpp
-  m.def("paged_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "int num_computed, float scale, int window=0) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start, Tensor seq_lens, float scale, int window=0) -> Tensor");
 
   // quantized_gemv.cpp
   m.def("int8_group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");

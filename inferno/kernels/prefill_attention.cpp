@@ -1,15 +1,17 @@
-// Prefill attention over a paged KV cache on the CPU: the queries of one prompt chunk against the keys before them,
-// causal, optionally limited to a sliding window: the context already cached, read through the block table in
-// place, and the chunk's own K/V as computed (exact, where the cache rounds them: float16 under a float32 model).
+// Prefill attention over a paged KV cache on the CPU: the queries of a step's prompt chunks, packed one after another
+// (variable length, as the Triton kernel takes them), each against the keys before it, causal, optionally limited to
+// a sliding window: the context already cached, read through the chunk's block table in place, and the chunk's own
+// K/V as computed (exact, where the cache rounds them: float16 under a float32 model). One call takes every chunk of
+// a step: a step of many short prompts (embeddings) is one parallel region per layer, not one per prompt.
 // Registered as `inferno::paged_prefill_attention`.
 //
-// Flash attention: a work item is (kv head, block of kQueryBlock positions) with every query head of the group as
-// rows; it walks the keys in tiles of kKeyTile, keeps each row's running max, softmax denominator and unnormalised
+// Flash attention: a work item is (chunk, kv head, block of kQueryBlock positions) with every query head of the group
+// as rows; it walks the keys in tiles of kKeyTile, keeps each row's running max, softmax denominator and unnormalised
 // output, and rescales them when the max grows, so no score matrix is ever whole. Per tile the keys are converted
 // once to float32 and transposed (keys in lanes), and both products are register-blocked micro-kernels: scores
 // [rows x keys] = queries x keys^T with the query value broadcast against a vector of keys, and output [rows x D]
 // += probabilities x values with a probability broadcast against a vector of a value row. Items are taken from a
-// shared counter, costliest (latest, most keys) first, so that the threads finish together.
+// shared counter, costliest (most keys) first, so that the threads finish together.
 //
 // bfloat16 queries and caches on a CPU with AVX512-BF16 take the same steps with `vdpbf16ps` (two bfloat16 products
 // added into each float32 lane: half the instructions): keys as pairs of dimensions, values as pairs of keys, the
@@ -19,6 +21,7 @@
 
 #include "float_vectors.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <type_traits>
@@ -295,38 +298,73 @@ inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t 
   rows.denom[r] += sum_lanes(sum);
 }
 
-// T: the queries' and output's dtype; C: the caches'; Tile: FloatTile<C> or Bf16Tile
+// One chunk of the packed batch: rows [start, start + n) of q, k, v and the output, `num_computed` tokens cached
+// before it, its block table
+struct Chunk {
+  int64_t start, n, num_computed;
+  const int64_t* table;
+};
+
+// A work item's chunk and block of query positions, and the keys it visits (its cost)
+struct QueryBlock {
+  int64_t chunk, first, keys;
+};
+
+// Every chunk's blocks of kQueryBlock positions, costliest first (the order in which the threads take them)
+inline std::vector<QueryBlock> query_blocks(const std::vector<Chunk>& chunks, int64_t window) {
+  std::vector<QueryBlock> blocks;
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
+    for (int64_t first = 0; first < chunks[c].n; first += kQueryBlock) {
+      const int64_t first_pos = chunks[c].num_computed + first;
+      const int64_t end = first_pos + std::min(kQueryBlock, chunks[c].n - first);
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      blocks.push_back({c, first, end - begin});
+    }
+  std::stable_sort(blocks.begin(), blocks.end(), [](const QueryBlock& a, const QueryBlock& b) {
+    return a.keys > b.keys;
+  });
+  return blocks;
+}
+
+// T: the queries' and output's dtype; C: the caches'; Tile: FloatTile<C> or Bf16Tile. q rows `q_stride` apart (the
+// heads of a position contiguous); k, v: the packed chunks' own K/V, `kv` with its strides and first = 0.
 template <typename Tile, typename T, typename C>
-void prefill_kernel(const T* q, const ChunkKV<T>& chunk, const C* k_cache, const C* v_cache, const int64_t* table,
-                    T* out, int64_t n, int64_t num_computed, int64_t num_heads, int64_t num_kv_heads,
+void prefill_kernel(const T* q, int64_t q_stride, const ChunkKV<T>& kv, const C* k_cache, const C* v_cache,
+                    const std::vector<Chunk>& chunks, T* out, int64_t num_heads, int64_t num_kv_heads,
                     int64_t num_blocks, int64_t block_size, int64_t head_dim, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock, items = blocks * num_kv_heads;
+  const std::vector<QueryBlock> blocks = query_blocks(chunks, window);
+  const int64_t items = static_cast<int64_t>(blocks.size()) * num_kv_heads;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     Tile tile(head_dim);
     Rows rows;
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
-      const int64_t b = blocks - 1 - item / num_kv_heads, h = item % num_kv_heads;  // the latest blocks first
-      const int64_t first = b * kQueryBlock, count = std::min(kQueryBlock, n - first), num_rows = count * group;
+      const QueryBlock& block = blocks[item / num_kv_heads];
+      const Chunk& c = chunks[block.chunk];
+      const int64_t h = item % num_kv_heads, first = block.first;
+      const int64_t count = std::min(kQueryBlock, c.n - first), num_rows = count * group;
+      // the chunk's own keys from its first position on, read where it starts in the packed k, v
+      const ChunkKV<T> chunk{kv.k + c.start * kv.k_stride_t, kv.v + c.start * kv.v_stride_t, kv.k_stride_t,
+                             kv.k_stride_h, kv.v_stride_t, kv.v_stride_h, c.num_computed};
       // the group's heads of a position are adjacent in q
-      const float score_scale = tile.set_queries(q + (first * num_heads + h * group) * head_dim, count,
-                                                 num_heads * head_dim, group, scale);
+      const float score_scale = tile.set_queries(q + (c.start + first) * q_stride + h * group * head_dim, count,
+                                                 q_stride, group, scale);
       rows.out.assign(num_rows * head_dim, 0.f);
       rows.scores.resize(num_rows * kKeyTile);
       rows.max.assign(num_rows, kNegInf);
       rows.denom.assign(num_rows, 0.f);
-      const int64_t first_pos = num_computed + first, end = first_pos + count;  // keys [.., end) are needed
+      const int64_t first_pos = c.num_computed + first, end = first_pos + count;  // keys [.., end) are needed
       const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
-        tile.load_keys(k_cache, v_cache, table, h, t0, end, num_blocks, block_size, chunk);
+        tile.load_keys(k_cache, v_cache, c.table, h, t0, end, num_blocks, block_size, chunk);
         tile.score(num_rows, rows.scores.data());
         for (int64_t r = 0; r < num_rows; ++r)
           softmax_row(rows, r, first_pos + r / group, t0, window, score_scale, head_dim);
         tile.weigh(num_rows, rows.scores.data(), rows.out.data(), std::min(kKeyTile, end - t0));
       }
       for (int64_t i = 0; i < count; ++i) {
-        T* dst = out + ((first + i) * num_heads + h * group) * head_dim;
+        T* dst = out + ((c.start + first + i) * num_heads + h * group) * head_dim;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = i * group + g;
           const float inv = 1.f / rows.denom[r];
@@ -338,29 +376,56 @@ void prefill_kernel(const T* q, const ChunkKV<T>& chunk, const C* k_cache, const
   });
 }
 
-// q [n, H, D]: the chunk's queries at positions num_computed .. num_computed + n - 1; k, v [n, KVH, D] (head_dim
-// contiguous): the chunk's K/V as computed, also written to the caches [KVH, num_blocks, block_size, D], which
-// hold the context before it; block_table [W] int64 covering every position; D a multiple of 16; window > 0: each
-// query sees only the last `window` keys up to itself
+// The chunks of query_start [S + 1] (row offsets, from 0 to q's rows) and seq_lens [S] (tokens cached before each
+// chunk plus its own), each with its row of block_tables [S, W]
+std::vector<Chunk> packed_chunks(const at::Tensor& query_start, const at::Tensor& seq_lens,
+                                 const at::Tensor& block_tables, int64_t num_rows, int64_t block_size) {
+  const int64_t num_chunks = seq_lens.size(0), width = block_tables.size(1);
+  TORCH_CHECK(query_start.dim() == 1 && query_start.size(0) == num_chunks + 1 && seq_lens.dim() == 1 &&
+              block_tables.dim() == 2 && block_tables.size(0) == num_chunks,
+              "query_start [chunks + 1], seq_lens [chunks], block_tables [chunks, width]");
+  const auto starts = query_start.contiguous(), lens = seq_lens.contiguous();
+  TORCH_CHECK(starts.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "query_start, seq_lens: int64");
+  const int64_t *sp = starts.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(sp[0] == 0 && sp[num_chunks] == num_rows, "query_start must run from 0 to q's ", num_rows, " rows");
+  std::vector<Chunk> chunks;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t n = sp[c + 1] - sp[c], num_computed = lp[c] - n;
+    TORCH_CHECK(n >= 0 && num_computed >= 0, "chunk ", c, ": query_start must not decrease and seq_lens must "
+                "count the chunk's tokens");
+    TORCH_CHECK(width * block_size >= lp[c], "chunk ", c, ": the block table must cover every position of the chunk");
+    if (n) chunks.push_back({sp[c], n, num_computed, tables + c * width});
+  }
+  return chunks;
+}
+
+// q [N, H, D]: the packed chunks' queries (heads of a position contiguous, head_dim contiguous); chunk c's rows are
+// query_start[c] .. query_start[c + 1], at positions seq_lens[c] - its length onward; k, v [N, KVH, D] (head_dim
+// contiguous): the chunks' K/V as computed, also written to the caches [KVH, num_blocks, block_size, D], which hold
+// the context before each chunk; block_tables [S, W] int64, row c covering chunk c's positions; D a multiple of 16;
+// window > 0: each query sees only the last `window` keys up to itself
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                                   int64_t num_computed, double scale, int64_t window) {
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& query_start, const at::Tensor& seq_lens, double scale,
+                                   int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "q [n, H, D], caches [KVH, B, S, D]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: the heads of a position contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == k_cache.size(0) &&
               k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1,
-              "k, v: the chunk's [n, KVH, D], head_dim contiguous");
+              "k, v: the chunks' [n, KVH, D], head_dim contiguous");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: q's dtype");
-  TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kLong, "block_table: int64");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of the kv heads");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || (q.scalar_type() == at::kFloat &&
                                                            k_cache.scalar_type() == at::kHalf),
               "q and the caches must have one dtype (or a float32 q with float16 caches)");
   TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16, got ", q.size(2));
-  TORCH_CHECK(num_computed >= 0 && block_table.size(0) * k_cache.size(2) >= num_computed + q.size(0),
-              "the block table must cover every position of the chunk");
-  auto out = at::empty_like(q);
+  const std::vector<Chunk> chunks = packed_chunks(query_start, seq_lens, block_tables, q.size(0), k_cache.size(2));
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (chunks.empty()) return out;
   dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), "paged_prefill_attention",
                            [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
@@ -370,12 +435,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k, con
 #else
     using Tile = FloatTile<C>;
 #endif
-    const ChunkKV<T> chunk{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           num_computed};
-    prefill_kernel<Tile, T, C>(q.data_ptr<T>(), chunk, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
-                               block_table.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), num_computed,
-                               q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),
-                               static_cast<float>(scale), window);
+    const ChunkKV<T> kv{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), 0};
+    prefill_kernel<Tile, T, C>(q.data_ptr<T>(), q.stride(0), kv, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), chunks,
+                               out.data_ptr<T>(), q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2),
+                               q.size(2), static_cast<float>(scale), window);
   });
   return out;
 }
