@@ -54,6 +54,13 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         return PackedPrefills(start, start + query_start[-1], padded, self._tensor(query_start),
                               self._tensor(seq_lens))
 
+    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_groups or not meta.prefills:
+            return super().forward(layer, q, k, v, meta)
+        self.write(layer, k, v, meta.slot_mapping)  # prefills only: the kernel's output is the layer's, uncopied
+        return self.prefill(layer, q, k, v, meta.prefills[0]).view(q.shape[0], -1)
+
     def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 chunks: PackedPrefills) -> torch.Tensor:
         rows = slice(chunks.start, chunks.end)
