@@ -17,9 +17,15 @@ same weights. What runs:
 Texts: `--num-texts` random sentences per case, short (16-64 tokens) and long (256-512), fresh ones in every run
 (distinct from their first word: no prefix-cache hits, every engine with its defaults). Each case's first run warms
 every engine up (inferno's background warm-up is awaited before), then the engines take turns, `--repeats` runs
-each; the table has each one's median, and the smallest cosine between its vectors and sentence-transformers'.
+each; the table has each one's median wall and CPU time (the process's, all threads: on a shared machine the
+fairer ratio), and the smallest cosine between its vectors and sentence-transformers'.
 
-    python benchmarks/embeddings.py [--model FOLDER] [--gguf FILE] [--threads N] [--quantization int8]
+`--profile` adds where each engine's time goes (torch.profiler over one run per case, operators' self time): the
+matrix products (`aten::mm` / `addmm` / `bmm` and inferno's quantized `*_matmul` kernels), attention, the rest.
+The float GEMM is the same operator with the same rows in sentence-transformers and in inferno on a float folder,
+so its share of inferno's time bounds what any engine can gain on that folder.
+
+    python benchmarks/embeddings.py [--model FOLDER] [--gguf FILE] [--threads N] [--quantization int8] [--profile]
 """
 import argparse
 import os
@@ -91,8 +97,10 @@ class Engine:
     runs: str  # what it computes with, for the table
     embed: Callable[[list[str]], torch.Tensor]  # the texts' vectors, float32 [texts, hidden]
     seconds: dict[str, list[float]] = field(default_factory=dict)  # per case
+    cpu_seconds: dict[str, list[float]] = field(default_factory=dict)
     tokens_per_s: dict[str, list[float]] = field(default_factory=dict)
     min_cosine: dict[str, float] = field(default_factory=dict)
+    time_shares: dict[str, dict[str, float]] = field(default_factory=dict)  # per case, --profile: per kind
 
 
 def sentence_transformers_engine(model, batch_size: int) -> Engine:
@@ -127,20 +135,51 @@ def measure(engines: list[Engine], tokenizer, args: argparse.Namespace) -> dict[
             counts.append(num_tokens)
             reference, times = None, []
             for engine in engines:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 vectors = engine.embed(texts)
-                seconds = time.perf_counter() - start
+                seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
                 if reference is None:
                     reference = vectors
                 engine.min_cosine[case] = min(engine.min_cosine.get(case, 1.0), F.cosine_similarity(
                     vectors.double(), reference.double(), dim=-1).min().item())
                 if run:  # run 0 warms up
                     engine.seconds.setdefault(case, []).append(seconds)
+                    engine.cpu_seconds.setdefault(case, []).append(cpu_seconds)
                     engine.tokens_per_s.setdefault(case, []).append(num_tokens / seconds)
-                times.append(f"{engine.name} {seconds:.2f} s")
+                times.append(f"{engine.name} {seconds:.2f} s ({cpu_seconds:.2f} s CPU)")
             print(f"{case} run {run}{' (warm-up)' if run == 0 else ''}: {', '.join(times)}", flush=True)
+            if args.profile and run == 1:
+                for engine in engines:
+                    engine.time_shares[case] = time_shares(engine, texts)
         tokens[case] = round(statistics.mean(counts))
     return tokens
+
+
+def operator_kind(name: str) -> str:
+    """What an operator of the profile computes: "GEMM" (float or quantized matrix products), "attention", "rest"."""
+    if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm") or (
+            name.startswith("inferno::") and name.endswith("matmul")):
+        return "GEMM"
+    if "attention" in name:
+        return "attention"
+    return "rest"
+
+
+def time_shares(engine: Engine, texts: list[str]) -> dict[str, float]:
+    """The shares of one embed of `texts` by `engine` (its wall time under the profiler) spent in the GEMM and
+    attention operators (self times, on the calling thread); "rest": everything else, Python included."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        engine.embed(texts)
+        wall_us = (time.perf_counter() - start) * 1e6
+    totals = {"GEMM": 0.0, "attention": 0.0}
+    for event in prof.key_averages():
+        kind = operator_kind(event.key)
+        if kind in totals:
+            totals[kind] += event.self_cpu_time_total
+    shares = {kind: total / wall_us for kind, total in totals.items()}
+    return {**shares, "rest": 1 - sum(shares.values())}
 
 
 def main() -> None:
@@ -154,6 +193,8 @@ def main() -> None:
     parser.add_argument("--num-texts", type=int, default=128, help="texts per case and run")
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode() batch size")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="also where each engine's time goes (a profiled run per case)")
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -178,7 +219,7 @@ def report(args: argparse.Namespace, model: str, engines: list[Engine], tokens: 
     command = (f"python benchmarks/embeddings.py --threads {args.threads} --num-texts {args.num_texts} --repeats "
                f"{args.repeats}" + "".join(f" --{name} {getattr(args, name)}" for name in ("model", "gguf",
                                                                                               "quantization")
-                                           if getattr(args, name)))
+                                           if getattr(args, name)) + (" --profile" if args.profile else ""))
     lines = ["## Embeddings throughput (`benchmarks/embeddings.py`)", "",
              f"- Command: `{command}`",
              f"- Model: {model}; last-token pooling, normalized; {args.threads} threads for every engine",
@@ -187,15 +228,23 @@ def report(args: argparse.Namespace, model: str, engines: list[Engine], tokens: 
     st = engines[0]
     for case, (low, high) in CASES.items():
         lines += [f"{case.capitalize()} texts, {low}-{high} tokens ({tokens[case]} tokens per run):", "",
-                  "| engine | runs | seconds | texts/s | tokens/s | × sentence-transformers | min cosine |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-        st_tps = statistics.median(st.tokens_per_s[case])
+                  "| engine | runs | seconds | CPU seconds | texts/s | tokens/s | × sentence-transformers | "
+                  "× by CPU time | min cosine |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        st_seconds, st_cpu = statistics.median(st.seconds[case]), statistics.median(st.cpu_seconds[case])
         for e in engines:
-            seconds, tps = statistics.median(e.seconds[case]), statistics.median(e.tokens_per_s[case])
+            seconds, cpu = statistics.median(e.seconds[case]), statistics.median(e.cpu_seconds[case])
+            tps = statistics.median(e.tokens_per_s[case])
             cosine = "–" if e is st else f"{e.min_cosine[case]:.6f}"
-            lines.append(f"| {e.name} | {e.runs} | {seconds:.2f} | {args.num_texts / seconds:.1f} | {tps:.0f} | "
-                         f"**{tps / st_tps:.2f}×** | {cosine} |")
+            lines.append(f"| {e.name} | {e.runs} | {seconds:.2f} | {cpu:.2f} | {args.num_texts / seconds:.1f} | "
+                         f"{tps:.0f} | **{st_seconds / seconds:.2f}×** | {st_cpu / cpu:.2f}× | {cosine} |")
         lines.append("")
+        if args.profile:
+            lines += [f"Where the time goes ({case} texts, one profiled run: operators' self time over the run's "
+                      "wall time):", "", "| engine | GEMM | attention | the rest |", "| --- | ---: | ---: | ---: |"]
+            lines += [f"| {e.name} | {e.time_shares[case]['GEMM']:.0%} | {e.time_shares[case]['attention']:.0%} | "
+                      f"{e.time_shares[case]['rest']:.0%} |" for e in engines]
+            lines.append("")
     body = "\n".join(lines)
     print(body)
     write_section(args.results, "embeddings", body)

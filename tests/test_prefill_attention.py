@@ -1,6 +1,7 @@
 """Paged prefill attention: the native flash-attention kernel and the PyTorch path agree with dense SDPA over the
 cached context and the chunk's own K/V, for fresh prompts and chunks after cached context, GQA groups, sliding
-windows and every cache dtype; the AVX2 build of the kernel too."""
+windows and every cache dtype; the AVX2 build of the kernel too; the kernel's one call over many packed chunks
+(a step of many prompts) gives each chunk what it gives it alone."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,12 +84,46 @@ def test_torch_path_matches_dense(heads, kv_heads, head_dim, n, num_computed, wi
     assert (out - dense_reference(attn, q, k, v, num_computed, block_ids)).abs().max().item() < 2e-6
 
 
+def kernel_inputs(attn: Attention, q, k, v, num_computed: int, block_ids: list[int]) -> tuple:
+    """`torch.ops.inferno.paged_prefill_attention`'s arguments for one chunk."""
+    return (q, k, v, attn.k_cache, attn.v_cache, torch.tensor([block_ids]), torch.tensor([0, q.shape[0]]),
+            torch.tensor([num_computed + q.shape[0]]), attn.scale, attn.sliding_window or 0)
+
+
 @needs_kernels
 def test_kernel_rejects_a_table_too_short():
     attn, q, k, v, block_ids = random_chunk(4, 2, 32, 40, 0, torch.float32)
     with pytest.raises(RuntimeError, match="block table must cover"):
-        torch.ops.inferno.paged_prefill_attention(q, k, v, attn.k_cache, attn.v_cache, torch.tensor(block_ids[:2]),
-                                                  0, 1.0, 0)
+        torch.ops.inferno.paged_prefill_attention(*kernel_inputs(attn, q, k, v, 0, block_ids[:2]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 24])
+def test_packed_chunks_match_each_alone(window):
+    """Chunks of several prompts packed in one call (fresh ones of 1..130 tokens, one after cached context), through
+    the backend's metadata: each chunk's rows are what the dense reference gives it alone."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim = 9, 3, 64
+    shapes = [(37, 0), (1, 0), (130, 0), (20, 45), (64, 0)]  # (chunk, cached context before it)
+    attn = Attention(heads, kv_heads, head_dim, sliding_window=window)
+    attn.k_cache = torch.randn(kv_heads, NUM_BLOCKS, BLOCK, head_dim).to(torch.float16)
+    attn.v_cache = torch.randn(kv_heads, NUM_BLOCKS, BLOCK, head_dim).to(torch.float16)
+    free = torch.randperm(NUM_BLOCKS).tolist()
+    chunks = []
+    for n, num_computed in shapes:
+        block_ids = [free.pop() for _ in range(-(-(num_computed + n) // BLOCK))]
+        q = torch.randn(n, heads, head_dim)
+        k, v = torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)
+        slots = torch.tensor([block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(num_computed, num_computed + n)])
+        TorchAttentionBackend.write(attn, k, v, slots)
+        chunks.append((q, k, v, num_computed, block_ids))
+    backend = CpuKernelAttentionBackend(BLOCK, kv_heads, NUM_BLOCKS, window)
+    meta = backend.build_metadata([], [], [(q.shape[0], c, ids) for q, _, _, c, ids in chunks])
+    assert len(meta.prefills) == 1  # one call for every chunk
+    packed = [torch.cat([chunk[i] for chunk in chunks]) for i in range(3)]
+    out = backend.prefill(attn, *packed, meta.prefills[0])
+    for (q, k, v, num_computed, block_ids), rows in zip(chunks, out.split([n for n, _ in shapes])):
+        assert (rows - dense_reference(attn, q, k, v, num_computed, block_ids)).abs().max().item() < 2e-6
 
 
 @needs_kernels
@@ -96,8 +131,7 @@ def test_kernel_rejects_a_table_too_short():
 def test_each_isa_level_matches_dense(tmp_path, level):
     """The 16-lane paths (AVX-512, vdpbf16ps for bfloat16), the 8-lane ones (AVX2 + FMA) and the plain loops."""
     chunks = [random_chunk(*case[:5], torch.float32, torch.float16, case[5]) for case in CASES]
-    inputs = [(q, k, v, attn.k_cache, attn.v_cache, torch.tensor(ids), case[4], attn.scale, case[5] or 0)
-              for case, (attn, q, k, v, ids) in zip(CASES, chunks)]
+    inputs = [kernel_inputs(attn, q, k, v, case[4], ids) for case, (attn, q, k, v, ids) in zip(CASES, chunks)]
     code = "outputs = [torch.ops.inferno.paged_prefill_attention(*args) for args in inputs]"
     outputs = isa_level_run(tmp_path, level, code, inputs)
     for case, (attn, q, k, v, ids), out in zip(CASES, chunks, outputs):

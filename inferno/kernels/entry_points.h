@@ -49,8 +49,8 @@ namespace cpu {
 void paged_decode_attention(const View& q, const View& k_cache, const View& v_cache, const View& block_tables,
                             const View& seq_lens, double scale, int64_t window, const View& out);
 void paged_prefill_attention(const View& q, const View& k, const View& v, const View& k_cache, const View& v_cache,
-                             const View& block_table, int64_t num_computed, double scale, int64_t window,
-                             const View& out);
+                             const View& block_tables, const View& query_start, const View& seq_lens, double scale,
+                             int64_t window, const View& out);
 
 // quantized_gemv.cpp
 void int8_group_matmul(const View& x, const View& codes, const View& scales, const View& mins, int64_t group_size,

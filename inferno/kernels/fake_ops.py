@@ -27,8 +27,8 @@ def register_attention():
         return torch.empty_like(q)
 
     @torch.library.register_fake("inferno::paged_prefill_attention")
-    def _(q, k, v, k_cache, v_cache, block_table, num_computed, scale, window=0):
-        return torch.empty_like(q)
+    def _(q, k, v, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window=0):
+        return q.new_empty(q.shape)
 
 
 def register_quantized_gemv():

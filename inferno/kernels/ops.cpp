@@ -95,20 +95,44 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
   return out;
 }
 
-// q [n, H, D]: the chunk's queries at positions num_computed .. num_computed + n - 1; k, v [n, KVH, D] (head_dim
-// contiguous): the chunk's K/V as computed, also written to the caches [KVH, num_blocks, block_size, D], which
-// hold the context before it; block_table [W] int64 covering every position; D a multiple of 16; window > 0: each
-// query sees only the last `window` keys up to itself
+// query_start [S + 1] (row offsets, from 0 to q's `num_rows`, never decreasing) and seq_lens [S] (tokens cached
+// before each chunk plus its own), each chunk with its row of block_tables [S, W] covering its positions
+void check_packed_chunks(const Tensor& query_start, const Tensor& seq_lens, const Tensor& block_tables,
+                         int64_t num_rows, int64_t block_size) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
+              "block_tables: [chunks, width] int64");
+  const int64_t num_chunks = block_tables.size(0), width = block_tables.size(1);
+  TORCH_CHECK(query_start.dim() == 1 && query_start.size(0) == num_chunks + 1 && seq_lens.dim() == 1 &&
+              seq_lens.size(0) == num_chunks, "query_start [chunks + 1], seq_lens [chunks], block_tables [chunks, width]");
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "query_start, seq_lens: int64");
+  const int64_t *starts = query_start.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_chunks] == num_rows, "query_start must run from 0 to q's ", num_rows,
+              " rows");
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t n = starts[c + 1] - starts[c];
+    TORCH_CHECK(n >= 0 && lens[c] >= n, "chunk ", c, ": query_start must not decrease and seq_lens must count the "
+                "chunk's tokens");
+    TORCH_CHECK(width * block_size >= lens[c], "chunk ", c, ": the block table must cover every position of the chunk");
+  }
+}
+
+// q [N, H, D]: the packed chunks' queries (the heads of a position contiguous, head_dim contiguous, rows at any
+// stride); chunk c's rows are query_start[c] .. query_start[c + 1], at positions seq_lens[c] - its length onward;
+// k, v [N, KVH, D] (head_dim contiguous): the chunks' K/V as computed, also written to the caches
+// [KVH, num_blocks, block_size, D], which hold the context before each chunk; block_tables [S, W] int64, row c
+// covering chunk c's positions; D a multiple of 16; window > 0: each query sees only the last `window` keys up to
+// itself. The output is [N, H, D], contiguous.
 Tensor paged_prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_cache,
-                               const Tensor& v_cache, const Tensor& block_table, int64_t num_computed, double scale,
-                               int64_t window) {
+                               const Tensor& v_cache, const Tensor& block_tables, const Tensor& query_start,
+                               const Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "q [n, H, D], caches [KVH, B, S, D]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: the heads of a position contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == k_cache.size(0) &&
               k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1,
-              "k, v: the chunk's [n, KVH, D], head_dim contiguous");
+              "k, v: the chunks' [n, KVH, D], head_dim contiguous");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: q's dtype");
-  TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kLong, "block_table: int64");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must have one dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of the kv heads");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || (q.scalar_type() == at::kFloat &&
@@ -116,11 +140,11 @@ Tensor paged_prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v
               "q and the caches must have one dtype (or a float32 q with float16 caches)");
   check_float_type(q.scalar_type(), "paged_prefill_attention");
   TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16, got ", q.size(2));
-  TORCH_CHECK(num_computed >= 0 && block_table.size(0) * k_cache.size(2) >= num_computed + q.size(0),
-              "the block table must cover every position of the chunk");
-  auto out = at::empty_like(q);
-  cpu::paged_prefill_attention(view(q), view(k), view(v), view(k_cache), view(v_cache), view(block_table),
-                               num_computed, scale, window, view(out));
+  const Tensor starts = query_start.contiguous(), lens = seq_lens.contiguous();
+  check_packed_chunks(starts, lens, block_tables, q.size(0), k_cache.size(2));
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  cpu::paged_prefill_attention(view(q), view(k), view(v), view(k_cache), view(v_cache), view(block_tables),
+                               view(starts), view(lens), scale, window, view(out));
   return out;
 }
 
@@ -525,8 +549,8 @@ Tensor rotary(const Tensor& x, const Tensor& rotations) {
 TORCH_LIBRARY(inferno, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window=0) -> Tensor");
-  m.def("paged_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "int num_computed, float scale, int window=0) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start, Tensor seq_lens, float scale, int window=0) -> Tensor");
 
   m.def("int8_group_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");
   m.def("int8_group_dequantize(Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor");

@@ -1,15 +1,17 @@
-// Prefill attention over a paged KV cache on the CPU: the queries of one prompt chunk against the keys before them,
-// causal, optionally limited to a sliding window: the context already cached, read through the block table in
-// place, and the chunk's own K/V as computed (exact, where the cache rounds them: float16 under a float32 model).
+// Prefill attention over a paged KV cache on the CPU: the queries of a step's prompt chunks, packed one after another
+// (variable length, as the Triton kernel takes them), each against the keys before it, causal, optionally limited to
+// a sliding window: the context already cached, read through the chunk's block table in place, and the chunk's own
+// K/V as computed (exact, where the cache rounds them: float16 under a float32 model). One call takes every chunk of
+// a step: a step of many short prompts (embeddings) is one parallel region per layer, not one per prompt.
 // Registered as `inferno::paged_prefill_attention`.
 //
-// Flash attention: a work item is (kv head, block of kQueryBlock positions) with every query head of the group as
-// rows; it walks the keys in tiles of kKeyTile, keeps each row's running max, softmax denominator and unnormalised
+// Flash attention: a work item is (chunk, kv head, block of kQueryBlock positions) with every query head of the group
+// as rows; it walks the keys in tiles of kKeyTile, keeps each row's running max, softmax denominator and unnormalised
 // output, and rescales them when the max grows, so no score matrix is ever whole. Per tile the keys are converted
 // once to float32 and transposed (keys in lanes), and both products are register-blocked micro-kernels: scores
 // [rows x keys] = queries x keys^T with the query value broadcast against a vector of keys, and output [rows x D]
 // += probabilities x values with a probability broadcast against a vector of a value row. Items are taken from a
-// shared counter, costliest (latest, most keys) first, so that the threads finish together.
+// shared counter, costliest (most keys) first, so that the threads finish together.
 //
 // bfloat16 queries and caches on a CPU with AVX512-BF16 take the same steps with `vdpbf16ps` (two bfloat16 products
 // added into each float32 lane: half the instructions): keys as pairs of dimensions, values as pairs of keys, the
@@ -18,6 +20,7 @@
 #include "entry_points.h"
 #include "float_vectors.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <type_traits>
@@ -294,38 +297,73 @@ inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t 
   rows.denom[r] += sum_lanes(sum);
 }
 
-// T: the queries' and output's dtype; C: the caches'; Tile: FloatTile<C> or Bf16Tile
+// One chunk of the packed batch: rows [start, start + n) of q, k, v and the output, `num_computed` tokens cached
+// before it, its block table
+struct Chunk {
+  int64_t start, n, num_computed;
+  const int64_t* table;
+};
+
+// A work item's chunk and block of query positions, and the keys it visits (its cost)
+struct QueryBlock {
+  int64_t chunk, first, keys;
+};
+
+// Every chunk's blocks of kQueryBlock positions, costliest first (the order in which the threads take them)
+inline std::vector<QueryBlock> query_blocks(const std::vector<Chunk>& chunks, int64_t window) {
+  std::vector<QueryBlock> blocks;
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
+    for (int64_t first = 0; first < chunks[c].n; first += kQueryBlock) {
+      const int64_t first_pos = chunks[c].num_computed + first;
+      const int64_t end = first_pos + std::min(kQueryBlock, chunks[c].n - first);
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      blocks.push_back({c, first, end - begin});
+    }
+  std::stable_sort(blocks.begin(), blocks.end(), [](const QueryBlock& a, const QueryBlock& b) {
+    return a.keys > b.keys;
+  });
+  return blocks;
+}
+
+// T: the queries' and output's dtype; C: the caches'; Tile: FloatTile<C> or Bf16Tile. q rows `q_stride` apart (the
+// heads of a position contiguous); k, v: the packed chunks' own K/V, `kv` with its strides and first = 0.
 template <typename Tile, typename T, typename C>
-void prefill_kernel(const T* q, const ChunkKV<T>& chunk, const C* k_cache, const C* v_cache, const int64_t* table,
-                    T* out, int64_t n, int64_t num_computed, int64_t num_heads, int64_t num_kv_heads,
+void prefill_kernel(const T* q, int64_t q_stride, const ChunkKV<T>& kv, const C* k_cache, const C* v_cache,
+                    const std::vector<Chunk>& chunks, T* out, int64_t num_heads, int64_t num_kv_heads,
                     int64_t num_blocks, int64_t block_size, int64_t head_dim, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t blocks = (n + kQueryBlock - 1) / kQueryBlock, items = blocks * num_kv_heads;
+  const std::vector<QueryBlock> blocks = query_blocks(chunks, window);
+  const int64_t items = static_cast<int64_t>(blocks.size()) * num_kv_heads;
   std::atomic<int64_t> next{0};
-  inferno::parallel_for(0, inferno::num_threads(), 1, [&](int64_t, int64_t) {
+  inferno::parallel_for(0, std::min<int64_t>(inferno::num_threads(), items), 1, [&](int64_t, int64_t) {
     Tile tile(head_dim);
     Rows rows;
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
-      const int64_t b = blocks - 1 - item / num_kv_heads, h = item % num_kv_heads;  // the latest blocks first
-      const int64_t first = b * kQueryBlock, count = std::min(kQueryBlock, n - first), num_rows = count * group;
+      const QueryBlock& block = blocks[item / num_kv_heads];
+      const Chunk& c = chunks[block.chunk];
+      const int64_t h = item % num_kv_heads, first = block.first;
+      const int64_t count = std::min(kQueryBlock, c.n - first), num_rows = count * group;
+      // the chunk's own keys from its first position on, read where it starts in the packed k, v
+      const ChunkKV<T> chunk{kv.k + c.start * kv.k_stride_t, kv.v + c.start * kv.v_stride_t, kv.k_stride_t,
+                             kv.k_stride_h, kv.v_stride_t, kv.v_stride_h, c.num_computed};
       // the group's heads of a position are adjacent in q
-      const float score_scale = tile.set_queries(q + (first * num_heads + h * group) * head_dim, count,
-                                                 num_heads * head_dim, group, scale);
+      const float score_scale = tile.set_queries(q + (c.start + first) * q_stride + h * group * head_dim, count,
+                                                 q_stride, group, scale);
       rows.out.assign(num_rows * head_dim, 0.f);
       rows.scores.resize(num_rows * kKeyTile);
       rows.max.assign(num_rows, kNegInf);
       rows.denom.assign(num_rows, 0.f);
-      const int64_t first_pos = num_computed + first, end = first_pos + count;  // keys [.., end) are needed
+      const int64_t first_pos = c.num_computed + first, end = first_pos + count;  // keys [.., end) are needed
       const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
-        tile.load_keys(k_cache, v_cache, table, h, t0, end, num_blocks, block_size, chunk);
+        tile.load_keys(k_cache, v_cache, c.table, h, t0, end, num_blocks, block_size, chunk);
         tile.score(num_rows, rows.scores.data());
         for (int64_t r = 0; r < num_rows; ++r)
           softmax_row(rows, r, first_pos + r / group, t0, window, score_scale, head_dim);
         tile.weigh(num_rows, rows.scores.data(), rows.out.data(), std::min(kKeyTile, end - t0));
       }
       for (int64_t i = 0; i < count; ++i) {
-        T* dst = out + ((first + i) * num_heads + h * group) * head_dim;
+        T* dst = out + ((c.start + first + i) * num_heads + h * group) * head_dim;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = i * group + g;
           const float inv = 1.f / rows.denom[r];
@@ -337,13 +375,29 @@ void prefill_kernel(const T* q, const ChunkKV<T>& chunk, const C* k_cache, const
   });
 }
 
+// The non-empty chunks of query_start [S + 1] (row offsets) and seq_lens [S] (tokens cached before each chunk plus
+// its own), each with its row of block_tables [S, W]; ops.cpp checked them
+std::vector<Chunk> packed_chunks(const inferno::View& query_start, const inferno::View& seq_lens,
+                                 const inferno::View& block_tables) {
+  const int64_t *starts = query_start.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  std::vector<Chunk> chunks;
+  for (int64_t c = 0; c < seq_lens.size(0); ++c) {
+    const int64_t n = starts[c + 1] - starts[c];
+    if (n) chunks.push_back({starts[c], n, lens[c] - n, tables + c * block_tables.stride(0)});
+  }
+  return chunks;
+}
+
 }  // namespace
 
 namespace inferno::cpu {
 
 void paged_prefill_attention(const View& q, const View& k, const View& v, const View& k_cache, const View& v_cache,
-                             const View& block_table, int64_t num_computed, double scale, int64_t window,
-                             const View& out) {
+                             const View& block_tables, const View& query_start, const View& seq_lens, double scale,
+                             int64_t window, const View& out) {
+  const std::vector<Chunk> chunks = packed_chunks(query_start, seq_lens, block_tables);
+  if (chunks.empty()) return;
   dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
@@ -352,12 +406,10 @@ void paged_prefill_attention(const View& q, const View& k, const View& v, const 
 #else
     using Tile = FloatTile<C>;
 #endif
-    const ChunkKV<T> chunk{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           num_computed};
-    prefill_kernel<Tile, T, C>(q.data_ptr<T>(), chunk, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
-                               block_table.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), num_computed,
-                               q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),
-                               static_cast<float>(scale), window);
+    const ChunkKV<T> kv{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), 0};
+    prefill_kernel<Tile, T, C>(q.data_ptr<T>(), q.stride(0), kv, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), chunks,
+                               out.data_ptr<T>(), q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2),
+                               q.size(2), static_cast<float>(scale), window);
   });
 }
 

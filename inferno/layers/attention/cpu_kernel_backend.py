@@ -1,12 +1,12 @@
 """The native CPU kernels (inferno/kernels/paged_attention.cpp, prefill_attention.cpp): read K/V through the block
-tables in place, sliding windows included; all decode rows in one call, each prefill chunk in one call (flash
-attention over the context cached before the chunk and the chunk's own K/V as computed)."""
+tables in place, sliding windows included; all decode rows in one call, all prefill chunks in another (flash
+attention over the context cached before each chunk and the chunk's own K/V as computed)."""
 import torch
 
 from inferno.core.kv_blocks import cdiv
 from inferno.kernels import paged_attention
 from inferno.layers.attention.layer import Attention
-from inferno.layers.attention.metadata import DecodeGroup, PrefillChunk
+from inferno.layers.attention.metadata import AttentionMetadata, DecodeGroup, PackedPrefills
 from inferno.layers.attention.torch_backend import TorchAttentionBackend
 
 
@@ -36,15 +36,39 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def _group(self, start: int, tables: torch.Tensor, seq_lens: torch.Tensor) -> DecodeGroup:
         return DecodeGroup(start, start + tables.shape[0], tables, seq_lens)
 
-    def prefill_chunk(self, start: int, n: int, num_computed: int, block_ids: list[int]) -> PrefillChunk:
-        return PrefillChunk(start, start + n, num_computed,
-                            self._tensor(block_ids[:cdiv(num_computed + n, self.block_size)]))
+    def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
+                       prefills: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+        meta = super().build_metadata(slot_mapping, decodes, [])
+        if prefills:
+            meta.prefills = [self.packed_prefills(len(decodes), prefills)]
+        return meta
+
+    def packed_prefills(self, start: int, prefills: list[tuple[int, int, list[int]]]) -> PackedPrefills:
+        query_start, seq_lens, tables = [0], [], []
+        for n, num_computed, block_ids in prefills:
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(num_computed + n)
+            tables.append(block_ids[:cdiv(num_computed + n, self.block_size)])
+        width = max(len(table) for table in tables)
+        padded = self._tensor([table + [0] * (width - len(table)) for table in tables])
+        return PackedPrefills(start, start + query_start[-1], padded, self._tensor(query_start),
+                              self._tensor(seq_lens))
+
+    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_groups or not meta.prefills:
+            return super().forward(layer, q, k, v, meta)
+        self.write(layer, k, v, meta.slot_mapping)  # prefills only: the kernel's output is the layer's, uncopied
+        return self.prefill(layer, q, k, v, meta.prefills[0]).view(q.shape[0], -1)
 
     def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                chunk: PrefillChunk) -> torch.Tensor:
-        rows = slice(chunk.start, chunk.end)
-        return self.kernels.paged_prefill_attention(q[rows].contiguous(), k[rows], v[rows], layer.k_cache,
-                                                    layer.v_cache, chunk.block_table, chunk.num_computed_tokens,
+                chunks: PackedPrefills) -> torch.Tensor:
+        rows = slice(chunks.start, chunks.end)
+        q = q[rows]
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel reads a position's heads as one row
+            q = q.contiguous()
+        return self.kernels.paged_prefill_attention(q, k[rows], v[rows], layer.k_cache, layer.v_cache,
+                                                    chunks.block_tables, chunks.query_start, chunks.seq_lens,
                                                     layer.scale, layer.sliding_window or 0)
 
     def decode(self, layer: Attention, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:

@@ -22,6 +22,17 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class PackedPrefills:
+    """Every prefill chunk of a step, one after another after the decode rows: the native kernel takes them all in
+    one call (a step of many short prompts is then one parallel region per layer, not one per prompt)."""
+    start: int  # first row of the first chunk in the flat batch
+    end: int
+    block_tables: torch.Tensor  # [chunks, width] long, each row padded with block 0
+    query_start: torch.Tensor  # [chunks + 1] long: where each chunk's rows start, from 0 (row `start`)
+    seq_lens: torch.Tensor  # [chunks] long: tokens cached before each chunk plus its own
+
+
+@dataclass(slots=True)
 class DecodeGroup:
     start: int  # decode tokens [start, end) of the flat batch
     end: int
@@ -38,7 +49,7 @@ class DecodeGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
     decode_groups: list[DecodeGroup]
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk] | list[PackedPrefills]  # one per chunk (PyTorch), one for all (native kernel)
 
 
 def block_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
