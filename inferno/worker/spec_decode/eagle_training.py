@@ -15,7 +15,7 @@ from inferno.layers.rotary import interleave_rotary_rows
 from inferno.loader.eagle_folder import EagleFolder, eagle_config_json, head_layer_config
 from inferno.model.eagle import EagleHead
 from inferno.worker.model_runner import ModelRunner
-from inferno.worker.spec_decode.head_training import dense_lm_head, record_hidden_states
+from inferno.worker.spec_decode.head_training import dense_lm_head, record_hidden_states, usable_sequences
 
 CLASSIFICATION_WEIGHT = 0.1  # the paper's w_cls
 
@@ -36,12 +36,7 @@ def sequence_example(runner: ModelRunner, features: torch.Tensor, sequence: Trai
 def train_eagle_head(runner: ModelRunner, sequences: list[TrainingSequence], config: HeadTrainingConfig,
                      base_model: str | None = None) -> tuple[EagleFolder, list[float]]:
     """The trained head (using the target's embedding and LM head), and its top-1 accuracy on held-out positions."""
-    if runner.parallel.world_size > 1:
-        raise ValueError("training draft heads runs on one process")
-    usable = [s for s in sequences if len(s.token_ids) - s.num_prompt_tokens >= 2]
-    if len(usable) < 2:
-        raise ValueError(f"training an EAGLE head needs at least 2 sequences with 2 or more generated tokens, got "
-                         f"{len(usable)}")
+    usable = usable_sequences(runner, sequences, "an EAGLE head")
     features = [f.cpu() for f in record_hidden_states(runner, usable)]
     examples = [sequence_example(runner, f, s) for f, s in zip(features, usable)]
     random.Random(config.seed).shuffle(examples)

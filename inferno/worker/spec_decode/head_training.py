@@ -18,6 +18,18 @@ IGNORE = -100  # label of a head past the sequence's end
 
 
 @torch.inference_mode()
+def usable_sequences(runner: ModelRunner, sequences: list[TrainingSequence], what: str) -> list[TrainingSequence]:
+    """The sequences with 2 or more generated tokens (a head learns from the tokens after the next); ValueError where
+    fewer than 2 are, or the runner is one of several processes."""
+    if runner.parallel.world_size > 1:
+        raise ValueError("training draft heads runs on one process")
+    usable = [s for s in sequences if len(s.token_ids) - s.num_prompt_tokens >= 2]
+    if len(usable) < 2:
+        raise ValueError(f"training {what} needs at least 2 sequences with 2 or more generated tokens, got "
+                         f"{len(usable)}")
+    return usable
+
+
 def record_hidden_states(runner: ModelRunner, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
     """Per sequence, float32 hidden states [n, hidden] after the final norm; with no request holding blocks."""
     longest = max(len(s.token_ids) for s in sequences)
@@ -56,12 +68,7 @@ def dense_lm_head(runner: ModelRunner) -> torch.Tensor:
 def train_medusa_heads(runner: ModelRunner, sequences: list[TrainingSequence], config: HeadTrainingConfig,
                        base_model: str | None = None) -> tuple[MedusaFolder, list[float]]:
     """The trained heads (using the target's LM head), and each head's top-1 accuracy on the held-out sequences."""
-    if runner.parallel.world_size > 1:
-        raise ValueError("training draft heads runs on one process")
-    usable = [s for s in sequences if len(s.token_ids) - s.num_prompt_tokens >= 2]
-    if len(usable) < 2:
-        raise ValueError(f"training draft heads needs at least 2 sequences with 2 or more generated tokens, got "
-                         f"{len(usable)}")
+    usable = usable_sequences(runner, sequences, "draft heads")
     hidden = record_hidden_states(runner, usable)
     examples = [head_examples(h, s, config.num_heads) for h, s in zip(hidden, usable)]
     random.Random(config.seed).shuffle(examples)
