@@ -164,9 +164,9 @@ class LlamaForCausalLM(nn.Module):
                 x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         rotations = self.rotary.rotations(positions)
         local = rotations if self.local_rotary is None else self.local_rotary.rotations(positions)
-        layers, residual = list(self.layers), None  # indexing the ModuleList itself costs microseconds per layer
+        residual = None
         for i in self.stage_layers:
-            x, residual = layers[i](x, residual, local if self.config.is_sliding(i) else rotations, meta, lora)
+            x, residual = self.layers[i](x, residual, local if self.config.is_sliding(i) else rotations, meta, lora)
         return x if residual is None else x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
