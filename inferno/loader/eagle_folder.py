@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from inferno.config import ModelConfig
+from inferno.loader.head_folder import read_head_config, read_head_weights
 
 # the reference repository's folders name the target's architecture; the engines' names say EAGLE
 EAGLE_ARCHITECTURES = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "EagleQwen2ForCausalLM",
@@ -41,10 +42,7 @@ class EagleFolder:
 
 def read_eagle_folder(folder: str | Path) -> EagleFolder:
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{folder} is not a folder of an EAGLE head: it has no config.json")
-    config = json.loads(config_path.read_text())
+    config = read_head_config(folder, "an EAGLE head")
     architectures = config.get("architectures") or []
     if any(a in EAGLE3_ARCHITECTURES for a in architectures):
         raise ValueError(f"{folder} holds an EAGLE-3 head ({architectures[0]}); method 'eagle' runs EAGLE-1/2 heads "
@@ -52,7 +50,8 @@ def read_eagle_folder(folder: str | Path) -> EagleFolder:
     if architectures and not any(a in EAGLE_ARCHITECTURES for a in architectures):
         raise ValueError(f"{folder} is not an EAGLE head: its architectures are {architectures}, expected one of "
                          f"{list(EAGLE_ARCHITECTURES[:4])}")
-    tensors = {name.removeprefix("model."): t for name, t in _read_weights(folder).items()
+    stored = read_head_weights(folder, WEIGHT_FILES, "an EAGLE head", sharded=True)
+    tensors = {name.removeprefix("model."): t for name, t in stored.items()
                if not name.removeprefix("model.").startswith("embed_tokens.")}
     if "fc.weight" not in tensors:
         raise ValueError(f"{folder} is not an EAGLE-1/2 head: its weights have no fc.weight (the [hidden, 2 * hidden] "
@@ -66,21 +65,6 @@ def read_eagle_folder(folder: str | Path) -> EagleFolder:
         raise ValueError(f"{folder}: EAGLE head tensors {unknown[:5]} have no place in the head")
     tensors.pop("layers.0.input_layernorm.weight", None)  # the head's layer has no input norm
     return EagleFolder(config, tensors)
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    for name in WEIGHT_FILES:
-        path = folder / name
-        if path.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-                return load_file(path)
-            return torch.load(path, map_location="cpu", weights_only=True)
-    shards = sorted(folder.glob("*.safetensors"))
-    if shards:
-        from safetensors.torch import load_file
-        return {name: t for shard in shards for name, t in load_file(shard).items()}
-    raise ValueError(f"{folder} has no EAGLE head weights: expected {' or '.join(WEIGHT_FILES)}")
 
 
 def eagle_head_config(folder: EagleFolder, target: ModelConfig) -> ModelConfig:

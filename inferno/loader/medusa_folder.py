@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from inferno.loader.head_folder import read_head_config, read_head_weights
+
 REFERENCE_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 VLLM_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
@@ -28,16 +30,13 @@ class MedusaFolder:
 
 def read_medusa_folder(folder: str | Path) -> MedusaFolder:
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{folder} is not a folder of Medusa heads: it has no config.json")
-    config = json.loads(config_path.read_text())
+    config = read_head_config(folder, "Medusa heads")
     num_heads = config.get("medusa_num_heads", config.get("num_heads"))
     num_layers = config.get("medusa_num_layers", config.get("num_hidden_layers", 1))
     if not isinstance(num_heads, int) or num_heads < 1 or not isinstance(num_layers, int) or num_layers < 0:
-        raise ValueError(f"{config_path} must give medusa_num_heads (>= 1) and medusa_num_layers (>= 0), got "
-                         f"{num_heads!r} and {num_layers!r}")
-    tensors = _read_weights(folder)
+        raise ValueError(f"{folder / 'config.json'} must give medusa_num_heads (>= 1) and medusa_num_layers (>= 0), "
+                         f"got {num_heads!r} and {num_layers!r}")
+    tensors = read_head_weights(folder, REFERENCE_WEIGHTS + VLLM_WEIGHTS, "Medusa heads")
     tensors = {name.removeprefix("medusa_heads."): t for name, t in tensors.items()}
     if any(re.fullmatch(r"\d+\.\d+\.(linear\.)?(weight|bias)", name) for name in tensors):
         blocks, lm_heads = _reference_layout(tensors, num_heads, num_layers)
@@ -47,17 +46,6 @@ def read_medusa_folder(folder: str | Path) -> MedusaFolder:
         raise ValueError(f"{folder} has no LM head weights for its heads; a folder whose heads use the base model's "
                          f"LM head says so in config.json with \"base_lm_head\": true")
     return MedusaFolder(num_heads, num_layers, blocks, lm_heads, config.get("base_model_name_or_path"))
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    for name in REFERENCE_WEIGHTS + VLLM_WEIGHTS:
-        path = folder / name
-        if path.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-                return load_file(path)
-            return torch.load(path, map_location="cpu", weights_only=True)
-    raise ValueError(f"{folder} has no Medusa weights: expected one of {list(REFERENCE_WEIGHTS + VLLM_WEIGHTS)}")
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str, required: bool = True) -> torch.Tensor | None:

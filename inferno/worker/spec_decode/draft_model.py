@@ -9,9 +9,8 @@ lookahead slots beyond each running request's scheduled tokens, which is where t
 drafts. Draft K/V of rejected tokens is simply not trusted: before proposing, the cached prefix is compared with
 the request's tokens and only the matching part is kept, the rest is recomputed (and overwritten).
 """
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import numpy as np
 import torch
 
 from inferno.config import EngineConfig, ModelConfig, SpeculativeConfig
@@ -23,29 +22,7 @@ from inferno.worker.model_runner import ModelRunner
 from inferno.worker.request_state import CachedRequestState
 from inferno.worker.spec_decode.draft_sampling import sample_drafts
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    mismatch = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(mismatch[0]) if len(mismatch) else n
-
-
-@dataclass(slots=True)
-class DraftCache:
-    """What the draft's KV cache holds for a request: K/V of `token_ids` (from position 0) in `block_ids`."""
-    state: CachedRequestState  # the request it was written for (a request id may come back as a new request)
-    token_ids: list[int]
-    block_ids: list[int]
-    num_preemptions: int  # the request's count when written: a preemption gave its blocks away
-
-    def num_valid_tokens(self, req: DraftingRequest, block_size: int) -> int:
-        """Leading tokens of the request whose draft K/V can be read (at most all but its last token)."""
-        if req.state is not self.state or req.num_preemptions != self.num_preemptions:
-            return 0
-        # a block replaced since (copy-on-write of a block shared with a fork) holds no draft K/V
-        return min(common_prefix_length(self.token_ids, req.token_ids),
-                   common_prefix_length(self.block_ids, req.block_ids) * block_size, req.num_tokens - 1)
+from inferno.worker.spec_decode.proposer_cache import ProposerCache, live_caches
 
 
 def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig, quantization: str | None,
@@ -69,13 +46,13 @@ class DraftModelProposer:
         self.block_size = config.block_size
         self.vocab_size = model.config.vocab_size
         self.states = states  # the target runner's request states: a request gone from them has ended
-        self.cached: dict[str, DraftCache] = {}  # request id -> its draft K/V
+        self.cached: dict[str, ProposerCache] = {}  # request id -> its draft K/V
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftingRequest]) -> DraftOutput:
         """num_draft_tokens drafts per request, fewer where the scheduler's reserved slots end. Requests not asked
         keep their cached draft K/V (they may speculate again later and catch up from it)."""
-        self.cached = {rid: c for rid, c in self.cached.items() if self.states.get(rid) is c.state}
+        self.cached = live_caches(self.cached, self.states)
         wanted: list[tuple[DraftingRequest, int]] = []
         for req in requests:
             # drafts are written up to position num_tokens + k - 2: only into the slots the scheduler reserved
@@ -93,7 +70,7 @@ class DraftModelProposer:
         chunks = []
         for req, _ in wanted:
             cache = self.cached.get(req.request_id)
-            valid = cache.num_valid_tokens(req, self.block_size) if cache else 0
+            valid = cache.num_valid_positions(req, self.block_size) if cache else 0
             chunks.append(TokenChunk(req.token_ids[valid:], valid, req.block_ids))
         drafts: list[list[int]] = [[] for _ in wanted]
         probs: list[list[torch.Tensor]] = [[] for _ in wanted]
@@ -111,8 +88,8 @@ class DraftModelProposer:
             out.spec_token_ids[req.request_id] = tokens
             if q:
                 out.draft_probs[req.request_id] = torch.stack(q).cpu()
-            self.cached[req.request_id] = DraftCache(req.state, req.token_ids + tokens[:-1], list(req.block_ids),
-                                                     req.num_preemptions)
+            self.cached[req.request_id] = ProposerCache(req.state, req.token_ids + tokens[:-1], list(req.block_ids),
+                                                        req.num_preemptions)
 
     def _step(self, chunks: list[TokenChunk], rows: list[tuple[DraftingRequest, list[int]]]) -> tuple[list[int], torch.Tensor | None]:
         """One draft forward pass: the next token of each chunk's sequence, and the distributions they were sampled

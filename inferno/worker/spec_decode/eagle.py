@@ -18,7 +18,6 @@ A later tree search would run each depth's passes over several candidates per re
 (`_pass`) already takes any set of (position, token, feature, block table) rows; a tree needs an attention mask
 over sibling candidates, which the paged backends do not take yet (issue 42, item 3).
 """
-from dataclasses import dataclass
 
 import torch
 
@@ -31,10 +30,9 @@ from inferno.model.eagle import EagleHead
 from inferno.worker.input_batch import TokenChunk, lay_out_chunks
 from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.model_runner import ModelRunner
-from inferno.worker.request_state import CachedRequestState
-from inferno.worker.spec_decode.draft_model import common_prefix_length
 from inferno.worker.spec_decode.draft_sampling import sample_drafts
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
+from inferno.worker.spec_decode.proposer_cache import ProposerCache, live_caches
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
 
 
@@ -55,23 +53,6 @@ def head_kv_bytes_per_block(head: ModelConfig, block_size: int, dtype: torch.dty
     return 2 * block_size * head.num_key_value_heads * head.head_dim * dtype.itemsize
 
 
-@dataclass(slots=True)
-class HeadCache:
-    """What the head's KV cache holds for a request: K/V from the target's features at positions 0..len(token_ids)-2,
-    written when the request's tokens were `token_ids`, in `block_ids`."""
-    state: CachedRequestState  # the request it was written for (a request id may come back as a new request)
-    token_ids: list[int]
-    block_ids: list[int]
-    num_preemptions: int  # the request's count when written: a preemption gave its blocks away
-
-    def num_valid_positions(self, req: DraftingRequest, block_size: int) -> int:
-        """Leading positions whose K/V can be read: p needs the tokens up to p + 1 unchanged."""
-        if req.state is not self.state or req.num_preemptions != self.num_preemptions:
-            return 0
-        return max(0, min(common_prefix_length(self.token_ids, req.token_ids) - 1,
-                          common_prefix_length(self.block_ids, req.block_ids) * block_size))
-
-
 class EagleProposer:
     def __init__(self, head: EagleHead, runner: ModelRunner, config: EngineConfig):
         self.head = head
@@ -87,13 +68,12 @@ class EagleProposer:
         attn.k_cache, attn.v_cache = (torch.zeros(cache_shape, dtype=runner.dtype, device=runner.device)
                                       if runner.device.type == "cuda" else lazily_zeroed(cache_shape, runner.dtype)
                                       for _ in range(2))
-        self.cached: dict[str, HeadCache] = {}
+        self.cached: dict[str, ProposerCache] = {}
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftingRequest]) -> DraftOutput:
         """num_draft_tokens drafts per request, fewer where the scheduler's reserved slots end."""
-        states = self.runner.requests
-        self.cached = {rid: c for rid, c in self.cached.items() if states.get(rid) is c.state}
+        self.cached = live_caches(self.cached, self.runner.requests)
         wanted: list[tuple[DraftingRequest, int]] = []
         for req in requests:
             # draft j's K/V go to position n-3+j (n tokens): only into the slots the scheduler reserved
@@ -134,8 +114,8 @@ class EagleProposer:
             out.spec_token_ids[req.request_id] = tokens
             if q:
                 out.draft_probs[req.request_id] = torch.stack(q).cpu()
-            self.cached[req.request_id] = HeadCache(req.state, list(req.token_ids), list(req.block_ids),
-                                                    req.num_preemptions)
+            self.cached[req.request_id] = ProposerCache(req.state, list(req.token_ids), list(req.block_ids),
+                                                        req.num_preemptions, tokens_ahead=1)
         return out
 
     def _pass(self, chunks: list[TokenChunk], features: torch.Tensor) -> torch.Tensor:
