@@ -18,7 +18,7 @@ SEGMENTED_FROM_ROWS = 64
 @dataclass(slots=True)
 class LoRAMapping:
     """Per token row of a step: the adapter slot it runs with (0: none). `segments`: per slot in use, the rows that
-    run with it (eager steps with many rows; None: the masked product)."""
+    run with it (eager steps with many rows; None: one product over all rows)."""
     token_slots: torch.Tensor  # [T] long
     segments: list[tuple[int, torch.Tensor]] | None = None
 
