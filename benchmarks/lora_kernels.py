@@ -1,9 +1,11 @@
-"""The LoRA product of one projection (inferno/layers/lora.py), three ways, by token rows and adapters in the batch:
-masked (every slot's shrink for every row, the other slots zeroed, one expand: what decode steps and the compiled
-graph run), segmented (per adapter, its rows through its own A and B: what prefill steps run above
-SEGMENTED_FROM_ROWS rows) and gathered (each row's A and B gathered, then two batched matrix-vector products: punica's
-BGMV shape, for comparison). The shapes are SmolLM2-135M's fused q/k/v projection (576 -> 576 + 192 + 192) and its
-down projection (1536 -> 576), rank 16, float32.
+"""The LoRA product of one projection (inferno/layers/lora.py), four ways, by token rows and adapters in the batch:
+native (kernels/lora_bgmv.cpp: the rows grouped per slot, only the slots in use read: what CPU decode steps and the
+compiled graph run), masked (every slot's shrink for every row, the other slots zeroed, one expand: the PyTorch path
+of those steps, without the native kernels or on a GPU), segmented (per adapter, its rows through its own A and B:
+what prefill steps run above SEGMENTED_FROM_ROWS rows) and gathered (each row's A and B gathered, then two batched
+matrix-vector products: punica's BGMV shape in PyTorch, for comparison). The shapes are SmolLM2-135M's fused q/k/v
+projection (576 -> 576 + 192 + 192), gate/up (576 -> 1536 + 1536) and down projection (1536 -> 576), rank 16,
+float32.
 
     python lora_kernels.py --threads 2 --max-loras 4
 """
@@ -12,9 +14,10 @@ import time
 
 import torch
 
+from inferno.kernels import native_ops
 from inferno.layers.lora import LoRAMapping, LoRAStack
 
-PROJECTIONS = {"qkv": (576, [576, 192, 192]), "down": (1536, [576])}
+PROJECTIONS = {"qkv": (576, [576, 192, 192]), "gate_up": (576, [1536, 1536]), "down": (1536, [576])}
 
 
 def gathered(stack: LoRAStack, x: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -43,7 +46,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}, max_loras {args.max_loras}, rank {args.rank}; "
           "microseconds per product (fastest run)")
-    print(f"{'projection':>10} {'rows':>5} {'adapters':>8} {'masked':>9} {'segmented':>9} {'gathered':>9}")
+    ops = native_ops()
+    print(f"{'projection':>10} {'rows':>5} {'adapters':>8} {'native':>9} {'masked':>9} {'segmented':>9} "
+          f"{'gathered':>9}")
     for name, (in_features, slices) in PROJECTIONS.items():
         stack = LoRAStack(in_features, slices, args.max_loras + 1, args.rank, torch.float32, torch.device("cpu"))
         stack.lora_a.normal_()
@@ -56,7 +61,9 @@ def main() -> None:
                 segments = LoRAMapping(token_slots, [(s, (token_slots == s).nonzero().squeeze(1))
                                                      for s in sorted(set(slots))]).segments
                 with torch.inference_mode():
-                    times = [timed(lambda: stack._masked(x, token_slots), args.repeats),
+                    native = float("nan") if ops is None else timed(
+                        lambda: stack._native(ops, x, token_slots), args.repeats)
+                    times = [native, timed(lambda: stack._masked(x, token_slots), args.repeats),
                              timed(lambda: stack._segmented(x, segments), args.repeats),
                              timed(lambda: gathered(stack, x, token_slots), args.repeats)]
                 print(f"{name:>10} {rows:>5} {adapters:>8} " + " ".join(f"{t:>9.1f}" for t in times))

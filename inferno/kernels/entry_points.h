@@ -93,6 +93,10 @@ void add_rms_norm(const View& x, const View& residual, const View& weight, doubl
 void silu_and_mul(const View& gate_up, const View& out);
 void rotary(const View& x, const View& rotations, const View& out);
 
+// lora_bgmv.cpp
+void lora_bgmv(const View& x, const View& lora_a, const View& lora_b, const View& token_slots,
+               const int64_t* slice_sizes, int64_t num_slices, const View& out);
+
 }  // namespace cpu
 
 }  // namespace inferno

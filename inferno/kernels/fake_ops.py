@@ -19,6 +19,7 @@ def register_fake_ops():
     register_gguf_repack()
     register_w8a8_activations()
     register_fused_ops()
+    register_lora_bgmv()
 
 
 def register_attention():
@@ -119,3 +120,9 @@ def register_fused_ops():
     @torch.library.register_fake("inferno::rotary")
     def _(x, rotations):
         return x.new_empty(x.shape)
+
+
+def register_lora_bgmv():
+    @torch.library.register_fake("inferno::lora_bgmv")
+    def _(x, lora_a, lora_b, token_slots, slice_sizes):
+        return x.new_empty(x.shape[0], lora_b.shape[2])

@@ -544,6 +544,41 @@ Tensor rotary(const Tensor& x, const Tensor& rotations) {
   return out;
 }
 
+// ---- the LoRA product of a step's rows (lora_bgmv.cpp) ----
+
+// x [T, in]; lora_a [slots, slices * rank, in] and lora_b [slots, slices * rank, out] (layers/lora.py's LoRAStack:
+// slice i's A in rows i * rank.., its B transposed in those rows and in its own columns, from the sum of the
+// slice_sizes before it), all of one float dtype and contiguous; token_slots [T] int64, each in [0, slots) ->
+// out [T, out] in x's dtype: row t = (x[t] A[s]^T) B[s] for s = token_slots[t], zero where s = 0
+Tensor lora_bgmv(const Tensor& x, const Tensor& lora_a, const Tensor& lora_b, const Tensor& token_slots,
+                 at::IntArrayRef slice_sizes) {
+  TORCH_CHECK(x.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3, "x [T, in], lora_a and lora_b [slots, width, *]");
+  TORCH_CHECK(x.is_contiguous() && lora_a.is_contiguous() && lora_b.is_contiguous(), "x, lora_a, lora_b: contiguous");
+  TORCH_CHECK(lora_a.scalar_type() == x.scalar_type() && lora_b.scalar_type() == x.scalar_type(),
+              "x, lora_a and lora_b must have one dtype");
+  check_float_type(x.scalar_type(), "lora_bgmv");
+  const int64_t num_slices = static_cast<int64_t>(slice_sizes.size()), width = lora_a.size(1);
+  TORCH_CHECK(num_slices > 0 && width % num_slices == 0, "lora_a's ", width, " rows are not ", num_slices,
+              " slices of one rank");
+  int64_t out_features = 0;
+  for (int64_t size : slice_sizes) {
+    TORCH_CHECK(size > 0, "slice sizes must be positive, got ", slice_sizes);
+    out_features += size;
+  }
+  TORCH_CHECK(lora_a.size(2) == x.size(1), "x has ", x.size(1), " columns but lora_a ", lora_a.size(2));
+  TORCH_CHECK(lora_b.size(0) == lora_a.size(0) && lora_b.size(1) == width && lora_b.size(2) == out_features,
+              "lora_b must be [", lora_a.size(0), ", ", width, ", ", out_features, "], got ", lora_b.sizes());
+  TORCH_CHECK(token_slots.dim() == 1 && token_slots.size(0) == x.size(0) && token_slots.is_contiguous() &&
+              token_slots.scalar_type() == at::kLong, "token_slots: one int64 per row of x");
+  const int64_t* slots = token_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < lora_a.size(0), "token_slots[", t, "] = ", slots[t], " is not a slot of ",
+                lora_a.size(0));
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  cpu::lora_bgmv(view(x), view(lora_a), view(lora_b), view(token_slots), slice_sizes.data(), num_slices, view(out));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(inferno, m) {
@@ -583,6 +618,8 @@ TORCH_LIBRARY(inferno, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor rotations) -> Tensor");
+
+  m.def("lora_bgmv(Tensor x, Tensor lora_a, Tensor lora_b, Tensor token_slots, int[] slice_sizes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
@@ -615,4 +652,5 @@ TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
+  m.impl("lora_bgmv", &lora_bgmv);
 }

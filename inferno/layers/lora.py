@@ -7,16 +7,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inferno.layers.fused_cpu import cpu_fused_ops
+
 # Above this many token rows (prefill chunks) the product runs per adapter segment on that segment's rows; at or
-# below it (decode steps, the compiled graph) one masked product over all slots, which has no data-dependent shapes.
-# Measured by benchmarks/lora_kernels.py (docs/lora.md).
+# below it (decode steps, the compiled graph) one product with no data-dependent shapes: the native kernel on the
+# CPU, else the masked product over all slots. Measured by benchmarks/lora_kernels.py (docs/lora.md).
 SEGMENTED_FROM_ROWS = 64
 
 
 @dataclass(slots=True)
 class LoRAMapping:
     """Per token row of a step: the adapter slot it runs with (0: none). `segments`: per slot in use, the rows that
-    run with it (eager steps with many rows; None: the masked product)."""
+    run with it (eager steps with many rows; None: one product over all rows)."""
     token_slots: torch.Tensor  # [T] long
     segments: list[tuple[int, torch.Tensor]] | None = None
 
@@ -61,7 +63,14 @@ class LoRAStack(nn.Module):
         """The adapters' part of the projection of x [T, in]: [T, out], zero for rows without an adapter."""
         if mapping.segments is not None:
             return self._segmented(x, mapping.segments)
+        if (ops := cpu_fused_ops(x)) is not None:
+            return self._native(ops, x, mapping.token_slots)
         return self._masked(x, mapping.token_slots)
+
+    def _native(self, ops, x: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """kernels/lora_bgmv.cpp: the rows grouped per slot, reading only the slots they use and each slice's B in its
+        own columns (punica's BGMV idea)."""
+        return ops.lora_bgmv(x.contiguous(), self.lora_a, self.lora_b, token_slots, self.slice_sizes)
 
     def _masked(self, x: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
         """Every slot's shrink for every row, the other slots' columns zeroed, then one expand: two GEMMs whose
