@@ -51,6 +51,17 @@ class Attention(nn.Module):
         for cache in tensors:
             cache[:, destinations] = cache[:, sources]
 
+    def move_slots(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Single token slots of this layer's cache, `sources[i]` to `destinations[i]` (a draft tree's accepted
+        path, moved to consecutive positions); each source is read before any destination is written."""
+        if self.k_scale is None:
+            tensors = (self.k_cache, self.v_cache)
+        else:
+            tensors = (self.k_cache.view(torch.uint8), self.v_cache.view(torch.uint8), self.k_scale, self.v_scale)
+        for cache in tensors:
+            slots = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [kv_heads, slots, ...]
+            slots[:, destinations] = slots[:, sources]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]: the new K/V written to the cache, then attention through it."""
         return self.backend.forward(self, q, k, v, meta)
