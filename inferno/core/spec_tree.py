@@ -5,6 +5,7 @@ out in the step, each after its parent: `parents[i - 1]` is the parent of node i
 its distance from the root: its position is the root's plus its depth, and it attends to the context before the
 root and to its own ancestors only. A chain is the tree whose parents are 0, 1, ..., k - 1.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -32,6 +33,10 @@ class SpecTree:
             depths.append(depths[parent] + 1)
         return depths
 
+    @property
+    def depth(self) -> int:
+        return max(self.depths())
+
     def ancestors(self, node: int) -> list[int]:
         """The nodes from the root down to `node`, both included."""
         path = [node]
@@ -53,3 +58,10 @@ class SpecTree:
     @property
     def is_chain(self) -> bool:
         return all(parent == i for i, parent in enumerate(self.parents))
+
+
+def tree_of_paths(paths: Sequence[tuple[int, ...]]) -> SpecTree:
+    """The tree whose node i + 1 is `paths[i]` (a path of top-k ranks, one per draft position), each path after
+    its prefix: the parent of (0, 1) is (0,), the parent of (2,) the root."""
+    index = {path: i for i, path in enumerate(paths, start=1)}
+    return SpecTree(tuple(index.get(path[:-1], 0) for path in paths))

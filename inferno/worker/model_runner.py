@@ -134,7 +134,7 @@ class ModelRunner:
             update_states(self.requests, sched, self.device)
             plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
             if sched.spec_tree_parents:
-                self._check_trees_supported()
+                self.check_trees_supported()
             logits, pooling_hidden = self.forward_step(plan.step)
             output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
             if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)
@@ -142,11 +142,14 @@ class ModelRunner:
                 output.pooler_output = pool(plan.pooling, normed)
         return output
 
-    def _check_trees_supported(self) -> None:
+    def check_trees_supported(self) -> None:
+        """ValueError where draft trees cannot be verified (speculative_token_tree is refused at start-up)."""
         if self.parallel.world_size > 1:  # rank 0 alone learns which path is kept, and moves its K/V
-            raise NotImplementedError("draft trees are verified on a single rank only; use a chain with TP/PP")
+            raise ValueError("speculative_token_tree needs a single rank (no tensor or pipeline parallelism)")
         if self.config.sliding_window is not None:  # the window would start from a node's slot, not its position
-            raise NotImplementedError("draft trees are not verified for sliding-window models; use a chain")
+            raise ValueError("speculative_token_tree is not supported for sliding-window models")
+        if self.attention.name == "triton":
+            raise ValueError("speculative_token_tree is not supported on the triton attention backend (GPU) yet")
 
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:
