@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inferno.config import EngineConfig, SpeculativeConfig
-from inferno.core.spec_tree import SpecTree
+from inferno.core.spec_tree import SpecTree, tree_of_paths
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.tree_rejection_sampler import TreeDrafts, tree_rejection_sample
 from inferno.layers.sampler import SamplingMetadata
@@ -182,6 +182,12 @@ def test_speculative_config_follows_vllm():
     policy = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
                                           "disable_by_batch_size": None, "draft_acceptance_threshold": 0})
     assert (policy.disable_by_batch_size, policy.draft_acceptance_threshold) == (None, 0.0)
+    # a token tree: paths of top-k ranks, laid out shortest first; vLLM's string form reads the same
+    tree = {"method": "medusa", "model": "heads", "num_speculative_tokens": 2}
+    parsed = SpeculativeConfig.from_dict(tree | {"speculative_token_tree": [[0, 0], [1], [0]]})
+    assert parsed.speculative_token_tree == ((0,), (1,), (0, 0))
+    assert SpeculativeConfig.from_dict(tree | {"speculative_token_tree": "[(0,), (1,), (0, 0)]"}) == parsed
+    assert tree_of_paths(parsed.speculative_token_tree) == SpecTree((0, 0, 1))
 
 
 @pytest.mark.parametrize("config, message", [
@@ -196,6 +202,15 @@ def test_speculative_config_follows_vllm():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
     ("ngram", "must be a dict"),
+    ({"method": "medusa", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": [(0,), (1, 0)]},
+     "prefixes are paths too"),
+    ({"method": "medusa", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": [(0,), (0,)]},
+     "prefixes are paths too"),
+    ({"method": "medusa", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": []},
+     "non-empty list of paths"),
+    ({"method": "medusa", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,"},
+     "not a list of tuples"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": [(0,)]}, "with method 'medusa' only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_acceptance_threshold": 1.0},
      "draft_acceptance_threshold must be a number in \\[0, 1\\)"),
