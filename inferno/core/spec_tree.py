@@ -3,7 +3,7 @@
 Node 0 is the request's last token (the root, not a draft); nodes 1..k are the drafts in the order they are laid
 out in the step, each after its parent: `parents[i - 1]` is the parent of node i (0: the root). A node's depth is
 its distance from the root: its position is the root's plus its depth, and it attends to the context before the
-root and to its own ancestors only. A chain is the tree whose parents are 0, 1, ..., k - 1.
+root and to its own ancestors only (a chain is the tree whose parents are 0, 1, ..., k - 1).
 """
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,10 +54,6 @@ class SpecTree:
         for i, parent in enumerate(self.parents, start=1):
             children[parent].append(i)
         return children
-
-    @property
-    def is_chain(self) -> bool:
-        return all(parent == i for i, parent in enumerate(self.parents))
 
 
 def tree_of_paths(paths: Sequence[tuple[int, ...]]) -> SpecTree:

@@ -133,8 +133,6 @@ class ModelRunner:
         with self.tile_switch.step():
             update_states(self.requests, sched, self.device)
             plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
-            if sched.spec_tree_parents:
-                self.check_trees_supported()
             logits, pooling_hidden = self.forward_step(plan.step)
             output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
             if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)
@@ -143,7 +141,7 @@ class ModelRunner:
         return output
 
     def check_trees_supported(self) -> None:
-        """ValueError where draft trees cannot be verified (speculative_token_tree is refused at start-up)."""
+        """ValueError where draft trees cannot be verified (the worker refuses speculative_token_tree at start-up)."""
         if self.parallel.world_size > 1:  # rank 0 alone learns which path is kept, and moves its K/V
             raise ValueError("speculative_token_tree needs a single rank (no tensor or pipeline parallelism)")
         if self.config.sliding_window is not None:  # the window would start from a node's slot, not its position
@@ -269,8 +267,8 @@ class ModelRunner:
         first = 0
         for req, drafts in zip(plan.spec_requests, plan.spec_token_ids):
             num_accepted = len(out.sampled_token_ids[req.request_id]) - 1
-            last_node = self._accepted_nodes[req.request_id][-1] if req.request_id in self._accepted_nodes else None
-            rows.append(plan.spec_rows[first + (num_accepted if last_node is None else last_node)])
+            last_row = self._accepted_nodes.get(req.request_id, [num_accepted])[-1]  # a tree's: its last kept node
+            rows.append(plan.spec_rows[first + last_row])
             kept.append((req.request_id, req.num_tokens - 1 + num_accepted))
             first += len(drafts) + 1
         hidden = self._logit_hidden[torch.tensor(rows, dtype=torch.long, device=self.device)] if rows else None
