@@ -8,6 +8,7 @@ from native_kernels import kernels_disabled
 from inferno import LLM
 from inferno.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from inferno.core.spec_tree import SpecTree
+from inferno.layers.attention import Attention
 from inferno.layers.attention.triton_backend import TritonAttentionBackend
 from inferno.request import Request
 from inferno.sampling_params import SamplingParams
@@ -107,6 +108,24 @@ def test_greedy_tree_keeps_the_matching_branch_and_its_kv(engine, prompt):
         runner.requests.pop(rid, None)
         engine.kv_cache_manager.free(req)
     assert engine.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_moving_slots_moves_keys_values_and_scales_of_those_slots_only(quantized):
+    attn = Attention(4, 2, 16)
+    caches = [torch.randn(2, 3, 4, 16) for _ in range(2)]  # [kv_heads, blocks, block_size, head_dim]
+    if quantized:
+        caches = [c.mul(20).to(torch.int8) for c in caches]
+        attn.k_scale, attn.v_scale = torch.rand(2, 3, 4), torch.rand(2, 3, 4)
+    attn.k_cache, attn.v_cache = caches
+    tensors = [t for t in (attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale) if t is not None]
+    before = [t.clone().view(2, 12, -1) for t in tensors]
+    attn.move_slots(torch.tensor([5, 9]), torch.tensor([1, 2]))
+    for tensor, old in zip(tensors, before):
+        new = tensor.view(2, 12, -1)
+        assert torch.equal(new[:, [1, 2]], old[:, [5, 9]])
+        kept = [s for s in range(12) if s not in (1, 2)]
+        assert torch.equal(new[:, kept], old[:, kept])
 
 
 def test_triton_refuses_trees_clearly():
