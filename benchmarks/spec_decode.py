@@ -145,6 +145,9 @@ def engines(args):
             method = f"{args.method} {Path(args.heads).name}"
             yield name, dict(big, speculative_config=heads), [(method, {}),
                                                               (f"{method}, no batch switch", NO_BATCH_SWITCH)]
+            if args.token_tree:  # trees while few requests run (spec_decode/policy.py), chains in a busy batch
+                tree = heads | {"speculative_token_tree": args.token_tree}
+                yield name, dict(big, speculative_config=tree), [(f"{method} tree", {})]
     if not args.skip_default_model:
         small = dict(dtype=args.dtype, kv_cache_memory=1 << 30, num_threads=args.num_threads)
         yield "SmolLM2-135M", dict(small), [("none", {})]
@@ -217,6 +220,8 @@ def main() -> None:
                                                       "`inferno train-draft-heads`, benchmarks/draft_head_prompts.py)")
     parser.add_argument("--num-head-tokens", type=int, default=3, help="drafts per step from --heads (Medusa: at "
                                                                        "most its number of heads)")
+    parser.add_argument("--token-tree", default=None, help="also --heads (medusa) with this speculative_token_tree, "
+                        "e.g. \"[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]\"")
     parser.add_argument("--draft-acceptance-threshold", type=float, default=None, help="default: the config's")
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=2)

@@ -1,4 +1,5 @@
 """Configuration: the model's shape (read from its files) and the engine's knobs (chosen by the user)."""
+import ast
 import json
 import os
 from dataclasses import dataclass, field
@@ -130,6 +131,12 @@ class SpeculativeConfig:
       0 turns the policy off (always k drafts).
     Neither changes what is generated: the output is the target's distribution (greedy: the same tokens) whatever
     the number of drafts, though a seeded sampled request's tokens depend on it.
+
+    `speculative_token_tree` (vLLM's key; Medusa only for now): the drafts of a request form a tree, given as the
+    list of its nodes' paths of top-k ranks, one rank per head: (0,) is head 1's best token, (1,) its second,
+    (0, 0) head 2's best under (0,). Every prefix of a path must be a node too. While few requests run
+    (spec_decode/policy.py), each verifies its whole tree (cut to the depth the policy allows) in one pass and
+    keeps the longest accepted branch; a busier batch verifies chains.
     """
     # "ngram" (prompt lookup) | "draft_model" | "medusa" | "eagle" (heads on the target's hidden states)
     method: str
@@ -140,13 +147,14 @@ class SpeculativeConfig:
     model: str | None
     disable_by_batch_size: int | None
     draft_acceptance_threshold: float
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                 "disable_by_batch_size", "draft_acceptance_threshold"}
+                 "disable_by_batch_size", "draft_acceptance_threshold", "speculative_token_tree"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known keys are {sorted(known)}")
@@ -181,13 +189,39 @@ class SpeculativeConfig:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
             raise ValueError(f"speculative_config draft_acceptance_threshold must be a number in [0, 1) "
                              f"(0: always propose num_speculative_tokens), got {threshold!r}")
-        return cls(method, k, low, high, model, disable, float(threshold))
+        tree = config.get("speculative_token_tree")
+        if tree is not None and method != "medusa":
+            raise ValueError(f"speculative_config speculative_token_tree is supported with method 'medusa' only, "
+                             f"not {method!r}")
+        return cls(method, k, low, high, model, disable, float(threshold), None if tree is None else _token_tree(tree))
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots a running request needs beyond its scheduled tokens: where the draft model (or EAGLE head) writes
         its drafts' K/V."""
         return self.num_speculative_tokens if self.method in ("draft_model", "eagle") else 0
+
+
+def _token_tree(value) -> tuple[tuple[int, ...], ...]:
+    """A token tree's node paths (a list of tuples or lists of ranks, or its text as vLLM takes it), checked."""
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"speculative_config speculative_token_tree is not a list of tuples: {value!r}") from None
+    error = ValueError("speculative_config speculative_token_tree must be a non-empty list of paths, each a "
+                       f"non-empty list of ranks >= 0 whose prefixes are paths too; got {value!r}")
+    if not isinstance(value, (list, tuple)) or not value:
+        raise error
+    paths = []
+    for path in value:
+        if not isinstance(path, (list, tuple)) or not path or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
+            raise error
+        paths.append(tuple(path))
+    if len(set(paths)) < len(paths) or any(path[:-1] and path[:-1] not in paths for path in paths):
+        raise error
+    return tuple(sorted(paths, key=lambda path: (len(path), path)))
 
 
 def _is_positive_int(value) -> bool:

@@ -60,6 +60,7 @@ class Request(TokenCounts):
         # proposer's distributions for them ([k, vocab]; None for n-gram drafts and greedy requests)
         self.spec_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
+        self.spec_tree_parents: list[int] | None = None  # its drafts' parents when they form a tree
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0

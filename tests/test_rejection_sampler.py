@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from inferno.config import EngineConfig, SpeculativeConfig
+from inferno.core.spec_tree import SpecTree, tree_of_paths
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
+from inferno.layers.tree_rejection_sampler import TreeDrafts, tree_rejection_sample
 from inferno.layers.sampler import SamplingMetadata
 from inferno.worker.spec_decode.ngram import ngram_lookup
 
@@ -97,6 +99,67 @@ def test_seeded_verification_is_reproducible():
 
 
 # n-gram prompt lookup
+# a tree of drafts: the root (the request's last token) has children 1 (token 1) and 2 (token 3); node 1 has
+# children 3 (token 4) and 4 (token 2); node 2 has child 5 (token 5). TREE_TARGET[n]: the target's p after node n.
+TREE = SpecTree((0, 0, 1, 1, 2))
+TREE_TOKENS = [1, 3, 4, 2, 5]
+TREE_TARGET = torch.tensor([[0.10, 0.35, 0.05, 0.30, 0.10, 0.10],
+                            [0.05, 0.10, 0.25, 0.10, 0.35, 0.15],
+                            [0.20, 0.10, 0.10, 0.10, 0.10, 0.40],
+                            [0.15, 0.15, 0.25, 0.15, 0.15, 0.15],
+                            [0.30, 0.10, 0.10, 0.20, 0.20, 0.10],
+                            [0.10, 0.20, 0.30, 0.10, 0.20, 0.10]])
+
+
+def tree_verdicts(num_trials: int, temperature: float = 1.0, generator_seed: int | None = None):
+    logits = TREE_TARGET.log().repeat(num_trials, 1)
+    generator = None if generator_seed is None else torch.Generator().manual_seed(generator_seed)
+    drafts = [TreeDrafts(TREE_TOKENS, TREE, generator) for _ in range(num_trials)]
+    return tree_rejection_sample(logits, metadata(len(logits), temperature), drafts)
+
+
+def test_tree_verification_yields_the_target_distribution_on_every_branch():
+    """SpecInfer's rule over a tree: the first token is distributed as p_0 whichever children exist, and after an
+    accepted node n the next token as p_n (a sibling tried and rejected first does not skew it)."""
+    torch.manual_seed(3)
+    verdicts = tree_verdicts(NUM_TRIALS)
+    emitted = [v.token_ids for v in verdicts]
+    assert_position_matches(emitted, 0, TREE_TARGET[0])
+    for prefix, node in (([1], 1), ([3], 2), ([1, 4], 3), ([1, 2], 4)):
+        after = [e[len(prefix):] for e in emitted if e[:len(prefix)] == prefix and len(e) > len(prefix)]
+        assert_position_matches(after, 0, TREE_TARGET[node])
+    # the walk kept exactly the nodes whose tokens it emitted, a root-to-node path of the tree
+    for verdict in verdicts[:200]:
+        nodes = verdict.accepted_nodes
+        assert nodes == TREE.ancestors(nodes[-1])
+        assert verdict.token_ids[:-1] == [TREE_TOKENS[n - 1] for n in nodes[1:]]
+    # the first child is accepted with probability p_0(1), the second when the first is not, with p_0(3)
+    first = torch.tensor([e[0] for e in emitted])
+    accepted_second = sum(v.accepted_nodes[1:2] == [2] for v in verdicts) / NUM_TRIALS
+    assert abs((first == 1).double().mean().item() - 0.35) < 0.02
+    assert abs(accepted_second - 0.30) < 0.02
+
+
+def test_greedy_tree_verification_follows_the_longest_matching_branch():
+    """Argmaxes: p_0 -> 1 (node 1), p_1 -> 4 (node 3, a leaf): the bonus token is p_3's argmax."""
+    verdict, = tree_verdicts(1, temperature=0.0)
+    assert verdict.accepted_nodes == [0, 1, 3]
+    assert verdict.token_ids == [1, 4, int(TREE_TARGET[3].argmax())]
+    # the argmax on the second branch: node 2 then its child 5 are taken, skipping the first branch
+    logits = TREE_TARGET.log().clone()
+    logits[0, 3] = 0.0
+    logits[2, 5] = 0.0
+    verdict, = tree_rejection_sample(logits, metadata(len(logits), 0.0), [TreeDrafts(TREE_TOKENS, TREE, None)])
+    assert verdict.accepted_nodes == [0, 2, 5]
+    assert verdict.token_ids == [3, 5, int(logits[5].argmax())]
+
+
+def test_seeded_tree_verification_is_reproducible():
+    first = [v.token_ids for v in tree_verdicts(50, generator_seed=7)]
+    assert first == [v.token_ids for v in tree_verdicts(50, generator_seed=7)]
+    assert first != [v.token_ids for v in tree_verdicts(50, generator_seed=8)]
+
+
 def test_ngram_proposes_what_followed_the_latest_match():
     tokens = np.array([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3])
     assert ngram_lookup(tokens, 1, 3, 2) == [7, 8]  # the latest earlier "1 2 3" was followed by 7 8
@@ -119,6 +182,12 @@ def test_speculative_config_follows_vllm():
     policy = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
                                           "disable_by_batch_size": None, "draft_acceptance_threshold": 0})
     assert (policy.disable_by_batch_size, policy.draft_acceptance_threshold) == (None, 0.0)
+    # a token tree: paths of top-k ranks, laid out shortest first; vLLM's string form reads the same
+    tree = {"method": "medusa", "model": "heads", "num_speculative_tokens": 2}
+    parsed = SpeculativeConfig.from_dict(tree | {"speculative_token_tree": [[0, 0], [1], [0]]})
+    assert parsed.speculative_token_tree == ((0,), (1,), (0, 0))
+    assert SpeculativeConfig.from_dict(tree | {"speculative_token_tree": "[(0,), (1,), (0, 0)]"}) == parsed
+    assert tree_of_paths(parsed.speculative_token_tree) == SpecTree((0, 0, 1))
 
 
 @pytest.mark.parametrize("config, message", [
@@ -133,6 +202,15 @@ def test_speculative_config_follows_vllm():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
     ("ngram", "must be a dict"),
+    ({"method": "medusa", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": [(0,), (1, 0)]},
+     "prefixes are paths too"),
+    ({"method": "medusa", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": [(0,), (0,)]},
+     "prefixes are paths too"),
+    ({"method": "medusa", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": []},
+     "non-empty list of paths"),
+    ({"method": "medusa", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,"},
+     "not a list of tuples"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": [(0,)]}, "with method 'medusa' only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_acceptance_threshold": 1.0},
      "draft_acceptance_threshold must be a number in \\[0, 1\\)"),

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import FLOAT32
+from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.entrypoints.cli import main
 from inferno.loader.medusa_folder import MedusaFolder, read_medusa_folder, write_medusa_folder
@@ -118,6 +118,59 @@ def test_seeded_sampling_with_medusa_is_reproducible_in_any_batch(medusa_llm, pr
     alone = token_ids(medusa_llm, prompts[:1], seeded)[0]
     mixed = token_ids(medusa_llm, prompts, [seeded, SamplingParams(temperature=1.0, max_tokens=12), greedy()])[0]
     assert mixed == alone
+
+
+# token trees: Medusa's top-k per head under a small static tree (7 nodes, 3 deep)
+TOKEN_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def record_trees(llm: LLM) -> list[int]:
+    """How many requests proposed a tree at each planning (a spy on the policy's choice)."""
+    policy, counts = llm.llm_engine.scheduler.spec_policy, []
+    choose = policy.tree_requests
+
+    def recorded(planned, num_running: int) -> set[str]:
+        chosen = choose(planned, num_running)
+        counts.append(len(chosen))
+        return chosen
+    policy.tree_requests = recorded
+    return counts
+
+
+@pytest.fixture(scope="module")
+def medusa_tree_llm(model_path, smol_heads) -> LLM:
+    return LLM(model_path, kv_cache_memory=64 << 20, **FLOAT32,
+               speculative_config=medusa(smol_heads, speculative_token_tree=TOKEN_TREE))
+
+
+def test_greedy_with_a_medusa_tree_matches_plain_decoding_alone_and_in_batch(medusa_tree_llm, prompts, reference):
+    """Alone and two at a time every request verifies trees; three at a time, chains until one finishes."""
+    trees = record_trees(medusa_tree_llm)
+    stats = medusa_tree_llm.llm_engine.spec_decoding_stats
+    assert token_ids(medusa_tree_llm, prompts[:1], greedy()) == reference[:1]
+    assert token_ids(medusa_tree_llm, prompts[:2], greedy()) == reference[:2]
+    assert 2 in trees and stats.num_accepted_tokens > 0
+    trees.clear()
+    assert token_ids(medusa_tree_llm, prompts, greedy()) == reference
+    assert trees[0] == 0  # a busy batch verifies chains
+    assert_all_blocks_free(medusa_tree_llm.llm_engine)
+
+
+def test_medusa_tree_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, model_path, smol_heads, prompts,
+                                                                                reference):
+    block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
+    cramped = LLM(model_path, kv_cache_memory=10 * block_bytes, max_num_batched_tokens=32, **FLOAT32,
+                  speculative_config=medusa(smol_heads, speculative_token_tree=TOKEN_TREE))
+    trees = record_trees(cramped)
+    assert token_ids(cramped, prompts, greedy()) == reference
+    assert cramped.llm_engine.scheduler.num_preemptions > 0 and max(trees) > 0
+    assert_all_blocks_free(cramped.llm_engine)
+
+
+def test_seeded_sampling_with_a_medusa_tree_is_reproducible(medusa_tree_llm, prompts):
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = token_ids(medusa_tree_llm, prompts[:1], seeded)
+    assert token_ids(medusa_tree_llm, prompts[:1], seeded) == first
 
 
 # heads trained here, on a model whose continuations they can learn

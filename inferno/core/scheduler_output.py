@@ -44,6 +44,8 @@ class SchedulerOutput:
     # num_scheduled_tokens), and the draft model's distributions for them ([k, vocab]; sampled requests only)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request id -> the parent of each of its drafts when they form a tree (core/spec_tree.py); absent: a chain
+    spec_tree_parents: dict[str, list[int]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) copy-on-write
     finished_req_ids: set[str] = field(default_factory=set)  # ended since the last step: the worker forgets them
     # structured outputs: request id -> [1 + drafts, ceil(vocab / 32)] int32 bitmasks of the tokens its grammar
@@ -75,6 +77,7 @@ class DraftRequest:
     num_draft_tokens: int  # at most this many
     new_token_ids: list[int]  # its tokens the worker was not sent yet (the step's emitted ones)
     num_preemptions: int  # each preemption gave its blocks away, and with them the draft K/V written there
+    tree: bool = False  # drafts as a tree (speculative_token_tree) up to num_draft_tokens deep, not a chain
 
 
 @dataclass(slots=True)
@@ -84,3 +87,4 @@ class DraftOutput:
     sampled requests only)."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    spec_tree_parents: dict[str, list[int]] = field(default_factory=dict)  # drafts that form a tree: their parents

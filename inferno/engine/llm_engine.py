@@ -263,10 +263,12 @@ class LLMEngine:
         planned = self.scheduler.spec_policy.plan(self.scheduler.running)
         if not planned:
             return
-        drafts = self.executor.propose_drafts(self.scheduler.worker_view.draft_requests(planned))
+        trees = self.scheduler.spec_policy.tree_requests(planned, len(self.scheduler.running))
+        drafts = self.executor.propose_drafts(self.scheduler.worker_view.draft_requests(planned, trees))
         for req, _ in planned:
             req.spec_token_ids = drafts.spec_token_ids.get(req.request_id, [])
             req.draft_probs = drafts.draft_probs.get(req.request_id)
+            req.spec_tree_parents = drafts.spec_tree_parents.get(req.request_id)
         self.structured_output.trim_drafts(self.scheduler.running)
 
     def _fail_grammars(self) -> list[RequestOutput]:

@@ -15,6 +15,7 @@ from collections import deque
 
 from inferno.config import EngineConfig
 from inferno.core.scheduler_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from inferno.core.spec_tree import SpecTree
 from inferno.engine.kv_cache_manager import KVCacheManager
 from inferno.engine.kv_transfer import KVTransferManager
 from inferno.engine.stop_checker import StopChecker
@@ -91,7 +92,7 @@ class Scheduler:
                 scheduled[req.request_id] = num_new
                 budget -= num_new
                 num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
-                if num_drafts > 0:
+                if num_drafts > 0:  # a tree's first nodes in its layout are a tree too
                     spec_token_ids[req.request_id] = req.spec_token_ids[:num_drafts]
         # waiting requests, first come first served; none while memory is short
         passed_over: list[Request] = []  # their grammar is not compiled yet, or their LoRA adapter has no slot
@@ -125,7 +126,7 @@ class Scheduler:
     def _scheduler_output(self, scheduled: dict[str, int], spec_token_ids: dict[str, list[int]]) -> SchedulerOutput:
         """The step as plain data: requests new to the worker whole, the others as what changed."""
         new_reqs, cached = [], CachedRequestData()
-        draft_probs = {}
+        draft_probs, tree_parents = {}, {}
         for rid, n in scheduled.items():
             req = self.requests[rid]
             self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
@@ -136,10 +137,12 @@ class Scheduler:
                 new_reqs.append(self.worker_view.new_request_data(req))
             if rid in spec_token_ids and req.draft_probs is not None:
                 draft_probs[rid] = req.draft_probs[:len(spec_token_ids[rid])]
+            if rid in spec_token_ids and req.spec_tree_parents is not None:
+                tree_parents[rid] = req.spec_tree_parents[:len(spec_token_ids[rid])]
         finished = self.worker_view.take_finished() if scheduled else set()  # else: sent with the next step
         sampling = {rid: spec_token_ids.get(rid, []) for rid, n in scheduled.items()
                     if self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens}
-        return SchedulerOutput(new_reqs, cached, scheduled, spec_token_ids, draft_probs,
+        return SchedulerOutput(new_reqs, cached, scheduled, spec_token_ids, draft_probs, tree_parents,
                                self.kv_cache_manager.take_block_copies(), finished,
                                self.structured_output.bitmasks(sampling))
 
@@ -154,7 +157,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.spec_token_ids, req.draft_probs = [], None
+        req.spec_token_ids, req.draft_probs, req.spec_tree_parents = [], None, None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -168,13 +171,15 @@ class Scheduler:
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests[rid]
             drafts = sched.spec_token_ids.get(req.request_id, [])
-            req.spec_token_ids, req.draft_probs = [], None
+            req.spec_token_ids, req.draft_probs, req.spec_tree_parents = [], None, None
             tokens = output.sampled_token_ids.get(req.request_id)
             num_rejected = len(drafts) - (len(tokens) - 1) if tokens is not None and drafts else 0
-            req.num_computed_tokens += n - num_rejected
-            if drafts and self.spec_decoding_stats is not None:
-                self.spec_decoding_stats.observe(len(drafts), len(drafts) - num_rejected)
-                self.spec_policy.observe(req.request_id, len(drafts), len(drafts) - num_rejected)
+            req.num_computed_tokens += n - num_rejected  # a tree's: its root and accepted path (moved into place)
+            if drafts and self.spec_decoding_stats is not None:  # a tree counts as the chain of its depth
+                parents = sched.spec_tree_parents.get(rid)
+                depth = len(drafts) if parents is None else SpecTree(tuple(parents)).depth
+                self.spec_decoding_stats.observe(depth, len(drafts) - num_rejected)
+                self.spec_policy.observe(req.request_id, depth, len(drafts) - num_rejected)
             stopped = False
             if tokens is not None and req.beam_search_id is None:  # a beam's search appends its tokens itself
                 for token in tokens:  # stop checks token by token; tokens after a stop are dropped

@@ -34,10 +34,12 @@ class WorkerView:
         if reset or len(known) != len(req.block_ids):
             self.block_ids[rid] = list(req.block_ids)
 
-    def draft_requests(self, planned: list[tuple[Request, int]]) -> list[DraftRequest]:
-        """The speculation policy's plan as plain data, with the tokens the worker was not sent yet (it gets them
-        only with the request's next step); requests the worker has not seen yet wait for a later plan."""
-        return [DraftRequest(req.request_id, k, req.token_ids[self.num_tokens[req.request_id]:], req.num_preemptions)
+    def draft_requests(self, planned: list[tuple[Request, int]], trees: set[str] = frozenset()) -> list[DraftRequest]:
+        """The speculation policy's plan as plain data (`trees`: the requests that propose a tree), with the tokens
+        the worker was not sent yet (it gets them only with the request's next step); requests the worker has not
+        seen yet wait for a later plan."""
+        return [DraftRequest(req.request_id, k, req.token_ids[self.num_tokens[req.request_id]:], req.num_preemptions,
+                             req.request_id in trees)
                 for req, k in planned if self.knows(req.request_id)]
 
     def knows(self, request_id: str) -> bool:

@@ -6,6 +6,11 @@ accepted with the same chance α once the ones before it were, α = accepted / (
 position j is reached and accepted with chance α^j: it is proposed only while α^j >= the threshold. A request whose
 first position falls below it stops proposing (no draft passes, no verified tokens) and, every PROBE_INTERVAL steps
 it could have speculated, proposes a single draft to find out whether acceptance came back.
+
+With a token tree configured, a request proposes its tree (cut to the depth it would give a chain) only while at
+most TREE_MAX_RUNNING requests run: a batch of decodes on a CPU is compute-bound, and a tree's extra rows would
+slow every request of a busy one. A constrained request (its grammar checks drafts along a chain) and one too near
+its max_tokens to hold the whole tree propose a chain.
 """
 import math
 from dataclasses import dataclass
@@ -18,6 +23,7 @@ from inferno.spec_decode.metrics import SpecDecodingStats
 PROBE_INTERVAL = 8  # steps a paused request waits before proposing one draft again
 DECAY = 0.8  # weight of the previous counts at each verification step (recent steps matter most)
 PRIOR_ACCEPTED = 2.0  # a new request starts as if its drafts had been accepted: it speculates fully at first
+TREE_MAX_RUNNING = 2  # trees only while this few requests run
 
 
 @dataclass(slots=True)
@@ -36,6 +42,7 @@ class SpeculationPolicy:
         self.k = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
         self.threshold = config.draft_acceptance_threshold
+        self.tree = config.speculative_token_tree
         self.stats = stats
         self.acceptance: dict[str, Acceptance] = {}
 
@@ -62,6 +69,13 @@ class SpeculationPolicy:
             if k > 0:
                 planned.append((req, k))
         return planned
+
+    def tree_requests(self, planned: list[tuple[Request, int]], num_running: int) -> set[str]:
+        """The planned requests that propose a tree rather than a chain."""
+        if self.tree is None or num_running > TREE_MAX_RUNNING:
+            return set()
+        return {req.request_id for req, _ in planned if req.sampling_params.structured_outputs is None
+                and num_drafts_wanted(req, len(self.tree)) == len(self.tree)}
 
     def _num_drafts(self, request_id: str) -> int:
         if self.threshold == 0:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from inferno.core.kv_blocks import cdiv
 from inferno.core.scheduler_output import SchedulerOutput
+from inferno.core.spec_tree import SpecTree
 import torch
 
 from inferno.worker.pooler import PoolingChunk, pooled_positions
@@ -22,13 +23,28 @@ class TokenChunk:
     start: int
     block_ids: list[int]
     lora_int_id: int = 0  # the LoRA adapter its tokens run with (0: none)
+    tree: SpecTree | None = None  # its last tokens are a tree of drafts under its last real token
 
     @property
     def as_decode_rows(self) -> bool:
         """A decode, or a few tokens over cached context (a decode with drafts to verify, the tail of a chunked
-        prefill or a prefix-cache hit): one decode row per token, each attending up to its own position."""
+        prefill or a prefix-cache hit): one decode row per token, each attending up to its own position (a tree's
+        nodes: up to their own slot, but for the other branches')."""
         n = len(self.token_ids)
-        return n == 1 or (self.start > 0 and n <= MAX_DECODE_ROWS_PER_CHUNK)
+        return n == 1 or self.tree is not None or (self.start > 0 and n <= MAX_DECODE_ROWS_PER_CHUNK)
+
+    def positions_and_hidden_keys(self) -> tuple[list[int], dict[int, list[int]]]:
+        """Each token's position (a tree node's: its root's plus its depth) and, per token of a tree, the earlier
+        slots of the chunk it must not see (by their index in the chunk). Slots follow the layout: token i's K/V
+        goes to the sequence's slot start + i."""
+        c, n = self.start, len(self.token_ids)
+        if self.tree is None:
+            return list(range(c, c + n)), {}
+        root = n - self.tree.num_nodes
+        positions = list(range(c, c + root)) + [c + root + depth for depth in self.tree.depths()]
+        hidden = {root + node: [root + other for other in self.tree.hidden_nodes(node)]
+                  for node in range(2, self.tree.num_nodes)}
+        return positions, {i: keys for i, keys in hidden.items() if keys}
 
 
 @dataclass(slots=True)
@@ -44,6 +60,8 @@ class MicroBatch:
     lora_ids: list[int] = field(default_factory=list)  # per token, the LoRA adapter it runs with (0: none)
     # per scheduled chunk: (request id, its first row, its first position, its tokens, drafts included)
     request_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # tree drafts: decode row -> the positions (cache slots of its sequence) before it that it must not see
+    tree_hidden_keys: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def output_rows(self) -> list[int]:
@@ -79,6 +97,7 @@ class StepPlan:
     spec_token_ids: list[list[int]] = field(default_factory=list)
     spec_draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     spec_rows: list[int] = field(default_factory=list)
+    spec_trees: list[SpecTree | None] = field(default_factory=list)  # per speculating request (None: a chain)
     pooling: list[PoolingChunk] = field(default_factory=list)  # embedding requests' chunks (rank 0 pools them)
 
 
@@ -103,11 +122,17 @@ def plan_step(sched: SchedulerOutput, states: dict[str, CachedRequestState], blo
     plan = StepPlan(StepInput([], sched.block_copies), [], [], [])
     for group in groups:
         chunks = [(req, TokenChunk((req.token_ids + sched.spec_token_ids.get(req.request_id, []))[c:c + n], c,
-                                   req.block_ids, req.lora_int_id)) for req, c, n in group]
+                                   req.block_ids, req.lora_int_id, _tree(sched, req.request_id)))
+                  for req, c, n in group]
         # decode rows first, shortest first (so each attention group pads little), then prefill chunks
         chunks.sort(key=lambda rc: (not rc[1].as_decode_rows, rc[1].start))
         plan.step.micro_batches.append(_lay_out(chunks, sched, block_size, plan))
     return plan
+
+
+def _tree(sched: SchedulerOutput, request_id: str) -> SpecTree | None:
+    parents = sched.spec_tree_parents.get(request_id)
+    return None if parents is None else SpecTree(tuple(parents))
 
 
 def lay_out_chunks(chunks: list[TokenChunk], block_size: int) -> MicroBatch:
@@ -123,9 +148,11 @@ def lay_out_chunks(chunks: list[TokenChunk], block_size: int) -> MicroBatch:
 def _append(mb: MicroBatch, chunk: TokenChunk, block_size: int) -> int:
     """Add a chunk's tokens to the flat batch; returns where they start in it."""
     start, c, n = len(mb.input_ids), chunk.start, len(chunk.token_ids)
-    pos = range(c, c + n)
+    pos = range(c, c + n)  # the sequence's slots the tokens fill (their positions too, but for a tree's)
+    positions, hidden_keys = chunk.positions_and_hidden_keys()
     mb.input_ids.extend(chunk.token_ids)
-    mb.positions.extend(pos)
+    mb.positions.extend(positions)
+    mb.tree_hidden_keys.update({start + i: [c + key for key in keys] for i, keys in hidden_keys.items()})
     mb.lora_ids.extend([chunk.lora_int_id] * n)
     table = chunk.block_ids[:cdiv(c + n, block_size)]
     mb.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
@@ -155,6 +182,7 @@ def _lay_out(chunks: list[tuple[CachedRequestState, TokenChunk]], sched: Schedul
             plan.spec_requests.append(req)
             plan.spec_token_ids.append(drafts)
             plan.spec_draft_probs.append(sched.draft_probs.get(req.request_id))
+            plan.spec_trees.append(chunk.tree)
             plan.spec_rows.extend(range(first_logit + len(mb.logit_rows), first_logit + len(mb.logit_rows) + n))
             mb.logit_rows.extend(range(start, start + n))
         elif c + n == req.num_tokens:

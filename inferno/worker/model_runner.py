@@ -1,6 +1,4 @@
 """Runs one scheduled step: flat input tensors from the schedule, the forward pass(es), sampling."""
-from typing import Protocol
-
 import torch
 
 from inferno.config import DTYPES, EngineConfig, ModelConfig
@@ -8,12 +6,10 @@ from inferno.distributed.parallel_state import SINGLE, ParallelRank
 from inferno.core.kv_blocks import cdiv
 from inferno.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from inferno.layers.attention import select_attention_backend
-from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.lora import LoRAMapping
-from inferno.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from inferno.layers.sampler import Sampler, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
-from inferno.sampling_params import SamplingParams
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.pipeline import run_first_stage, run_later_stage
 from inferno.worker.compile_cache import stable_block_capacity
@@ -24,7 +20,9 @@ from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.lora_manager import LoRAManager
 from inferno.worker.pooler import pool
 from inferno.worker.request_state import CachedRequestState, update_states
+from inferno.worker.sampling_metadata import sampling_metadata
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
+from inferno.worker.spec_decode.verification import verify_drafts
 from inferno.worker.tile_switch import TileSwitch
 from inferno.worker.warm_up import WarmUp
 
@@ -59,6 +57,7 @@ class ModelRunner:
         # the last): None (the default) keeps nothing
         self.target_hidden: TargetHiddenStates | None = None
         self._step_hidden: list[tuple[MicroBatch, torch.Tensor]] = []  # this step's, until sampling tells what to keep
+        self._accepted_nodes: dict[str, list[int]] = {}  # this step's draft trees: the nodes each one kept
         keep_freed_memory()
         # LoRA adapters: stacks on the projections (before the warm-up compiles the decode step with them)
         self.lora = LoRAManager(model, engine_config, device) if engine_config.enable_lora else None
@@ -141,6 +140,15 @@ class ModelRunner:
                 output.pooler_output = pool(plan.pooling, normed)
         return output
 
+    def check_trees_supported(self) -> None:
+        """ValueError where draft trees cannot be verified (the worker refuses speculative_token_tree at start-up)."""
+        if self.parallel.world_size > 1:  # rank 0 alone learns which path is kept, and moves its K/V
+            raise ValueError("speculative_token_tree needs a single rank (no tensor or pipeline parallelism)")
+        if self.config.sliding_window is not None:  # the window would start from a node's slot, not its position
+            raise ValueError("speculative_token_tree is not supported for sliding-window models")
+        if self.attention.name == "triton":
+            raise ValueError("speculative_token_tree is not supported on the triton attention backend (GPU) yet")
+
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Logits [step.num_logit_rows, vocab] on rank 0; None on the other ranks."""
@@ -188,14 +196,15 @@ class ModelRunner:
         assert self.tile_switch.in_step, "a forward pass outside tile_switch.step() could switch weights half-way"
         decodes = mb.decodes
         lora = self._lora_mapping(mb)
-        if self.decode_graphs is not None and not mb.prefills and hidden is None and lora is None:
+        plain_decodes = not mb.prefills and not mb.tree_hidden_keys and hidden is None  # what fast steps run
+        if self.decode_graphs is not None and plain_decodes and lora is None:
             out = self.decode_graphs.run(mb.input_ids, mb.positions, mb.slot_mapping, decodes)
             if out is not None:
                 return out
         input_ids, positions = (torch.tensor(values, dtype=torch.long, device=self.device)
                                 for values in (mb.input_ids, mb.positions))
         compiled = self.compiled_decode
-        if compiled is not None and not mb.prefills and hidden is None:
+        if compiled is not None and plain_decodes:
             width = max(len(table) for _, table in decodes)
             tables = torch.tensor([table + [0] * (width - len(table)) for _, table in decodes], dtype=torch.long)
             seq_lens = torch.tensor([seq_len for seq_len, _ in decodes])
@@ -203,7 +212,7 @@ class ModelRunner:
                                tables, seq_lens, None if lora is None else lora.token_slots)
             if out is not None:
                 return out
-        meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills)
+        meta = self.attention.build_metadata(mb.slot_mapping, decodes, mb.prefills, mb.tree_hidden_keys)
         return self.model(input_ids, positions, meta, hidden, lora)
 
     def _lora_mapping(self, mb: MicroBatch) -> LoRAMapping | None:
@@ -237,8 +246,8 @@ class ModelRunner:
                     if req.sampling_params.logprobs is not None:
                         k = 1 + req.sampling_params.logprobs
                         out.logprobs[req.request_id] = (ids[i][:k], values[i][:k], ranks[i])
-        if plan.spec_requests:
-            self._verify_drafts(plan, logits, out, bitmasks)
+        self._accepted_nodes = verify_drafts(plan, logits, out, bitmasks, self.config.vocab_size,
+                                             self.model.attention_layers, self.block_size) if plan.spec_requests else {}
         if self.draft_hidden is not None:
             self._keep_draft_hidden(plan, out)
         if self.target_hidden is not None:
@@ -258,7 +267,8 @@ class ModelRunner:
         first = 0
         for req, drafts in zip(plan.spec_requests, plan.spec_token_ids):
             num_accepted = len(out.sampled_token_ids[req.request_id]) - 1
-            rows.append(plan.spec_rows[first + num_accepted])
+            last_row = self._accepted_nodes.get(req.request_id, [num_accepted])[-1]  # a tree's: its last kept node
+            rows.append(plan.spec_rows[first + last_row])
             kept.append((req.request_id, req.num_tokens - 1 + num_accepted))
             first += len(drafts) + 1
         hidden = self._logit_hidden[torch.tensor(rows, dtype=torch.long, device=self.device)] if rows else None
@@ -270,89 +280,14 @@ class ModelRunner:
         num_kept = {r.request_id: len(out.sampled_token_ids.get(r.request_id, ())) for r in plan.spec_requests}
         for mb, hidden in self._step_hidden:
             for request_id, row, start, n in mb.request_rows:
-                self.target_hidden.record(request_id, start, hidden[row:row + num_kept.get(request_id, n)])
+                nodes = self._accepted_nodes.get(request_id)
+                rows = slice(row, row + num_kept.get(request_id, n)) if nodes is None else [row + i for i in nodes]
+                self.target_hidden.record(request_id, start, hidden[rows])
         self.target_hidden.keep_only(self.requests)
         self._step_hidden = []
-
-    def _verify_drafts(self, plan: StepPlan, logits: torch.Tensor, out: ModelRunnerOutput,
-                       bitmasks: dict[str, torch.Tensor]) -> None:
-        """Target logits at all 1 + k positions of each speculating request -> rejection sampling."""
-        metadata_rows, drafts, row_bitmasks = [], [], []
-        for req, tokens, probs in zip(plan.spec_requests, plan.spec_token_ids, plan.spec_draft_probs):
-            metadata_rows.extend((req, tokens[:j]) for j in range(len(tokens) + 1))
-            drafts.append(Drafts(tokens, probs, req.generator))
-            bitmask = bitmasks.get(req.request_id)
-            row_bitmasks.extend([None] * (len(tokens) + 1) if bitmask is None else bitmask)
-        md = sampling_metadata(metadata_rows, self.config.vocab_size, row_bitmasks, self.device)
-        emitted = rejection_sample(logits[plan.spec_rows], md, drafts)
-        for req, tokens in zip(plan.spec_requests, emitted):
-            out.sampled_token_ids[req.request_id] = tokens
 
 
 def output_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """hidden[rows]: the first rows as they are where those are all of them in order (every decode step), without
     an indexing operator's copy."""
     return hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
-
-
-class SamplingState(Protocol):
-    """What sampling reads of a request: the worker's CachedRequestState, or a DraftingRequest (draft model)."""
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    eos_token_ids: set[int]
-    generator: torch.Generator | None
-
-    @property
-    def num_output_tokens(self) -> int: ...
-
-    @property
-    def output_token_ids(self) -> list[int]: ...
-
-
-def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: int,
-                      bitmasks: list[torch.Tensor | None] | None = None,
-                      device: torch.device = torch.device("cpu")) -> SamplingMetadata:
-    """One row per (request, draft tokens before the position): penalties and min_tokens see the output so far
-    plus those drafts. `bitmasks`: per row, the tokens its grammar allows (None: unconstrained). Tensors on
-    `device`, the logits'."""
-    requests = [r for r, _ in rows]
-    params = [r.sampling_params for r in requests]
-    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device)
-    penalty_rows = [i for i, p in enumerate(params)
-                    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
-    banned = {}
-    for i, (r, drafts) in enumerate(rows):
-        if r.num_output_tokens + len(drafts) < r.sampling_params.min_tokens:
-            banned[i] = sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids))
-    wanted = [p.logprobs for p in params if p.logprobs is not None]
-    grammar_rows = [i for i, bitmask in enumerate(bitmasks or []) if bitmask is not None]
-
-    def column(name: str, off, dtype) -> torch.Tensor | None:
-        values = [getattr(p, name) for p in params]
-        if name == "top_k":
-            values = [min(k, vocab_size) for k in values]
-        return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype, device=device)
-
-    def penalty(name: str) -> torch.Tensor | None:
-        if not penalty_rows:
-            return None
-        return torch.tensor([getattr(params[i], name) for i in penalty_rows], device=device)
-
-    return SamplingMetadata(
-        temperature=temperature,
-        all_greedy=all(p.greedy for p in params),
-        top_k=column("top_k", 0, torch.long),
-        top_p=column("top_p", 1.0, torch.float32),
-        min_p=column("min_p", 0.0, torch.float32),
-        generators={i: r.generator for i, r in enumerate(requests) if r.generator is not None},
-        penalty_rows=penalty_rows,
-        repetition_penalty=penalty("repetition_penalty"),
-        presence_penalty=penalty("presence_penalty"),
-        frequency_penalty=penalty("frequency_penalty"),
-        prompt_token_ids=[requests[i].prompt_token_ids for i in penalty_rows],
-        output_token_ids=[requests[i].output_token_ids + rows[i][1] for i in penalty_rows],
-        banned_token_ids={i: t for i, t in banned.items() if t},
-        max_num_logprobs=max(wanted) if wanted else None,
-        grammar_rows=grammar_rows,
-        grammar_bitmask=torch.stack([bitmasks[i] for i in grammar_rows]) if grammar_rows else None,
-    )

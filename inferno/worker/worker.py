@@ -92,6 +92,8 @@ class Worker:
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             self.num_blocks = int(count)
         self.model_runner = ModelRunner(loaded.model, config, self.num_blocks, parallel, self.device)
+        if spec is not None and spec.speculative_token_tree is not None:
+            self.model_runner.check_trees_supported()
         self.kv_connector = None if config.kv_role is None else KVConnector(
             self.model_runner.kv_caches(), config.kv_role, config.kv_host, config.kv_port,
             config.kv_transfer_backend, config.kv_transfer_timeout)
@@ -102,7 +104,7 @@ class Worker:
             self.proposer = EagleProposer(eagle, self.model_runner, config)
         elif parallel.rank == 0 and spec is not None and spec.method == "medusa":
             heads = load_medusa_heads(spec.model, loaded.config, config.torch_dtype, self.device)
-            self.proposer = MedusaProposer(heads, self.model_runner)
+            self.proposer = MedusaProposer(heads, self.model_runner, spec.speculative_token_tree)
         elif parallel.rank == 0 and spec is not None:
             self.proposer = NgramProposer(spec)
 

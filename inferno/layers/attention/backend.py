@@ -15,9 +15,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
-                       prefills: list[tuple[int, int, list[int]]]):
+                       prefills: list[tuple[int, int, list[int]]], tree_hidden_keys: dict[int, list[int]] | None = None):
         """The step's metadata. decodes: per decode row (sequence length, block ids); prefills: per chunk (tokens,
-        tokens already cached, block ids), after the decode rows in the flat batch."""
+        tokens already cached, block ids), after the decode rows in the flat batch; tree_hidden_keys: per decode row
+        of a draft tree, the positions below its sequence length it must not see (other branches of its tree)."""
 
     @abstractmethod
     def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor):

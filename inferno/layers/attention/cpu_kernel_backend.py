@@ -7,7 +7,7 @@ from inferno.core.kv_blocks import cdiv
 from inferno.kernels import paged_attention
 from inferno.layers.attention.layer import Attention
 from inferno.layers.attention.metadata import AttentionMetadata, DecodeGroup, PackedPrefills
-from inferno.layers.attention.torch_backend import TorchAttentionBackend
+from inferno.layers.attention.torch_backend import TorchAttentionBackend, hide_tree_keys
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
@@ -37,11 +37,28 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         return DecodeGroup(start, start + tables.shape[0], tables, seq_lens)
 
     def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
-                       prefills: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+                       prefills: list[tuple[int, int, list[int]]],
+                       tree_hidden_keys: dict[int, list[int]] | None = None) -> AttentionMetadata:
         meta = super().build_metadata(slot_mapping, decodes, [])
         if prefills:
             meta.prefills = [self.packed_prefills(len(decodes), prefills)]
+        if tree_hidden_keys:
+            meta.tree_groups = self.tree_groups(decodes, tree_hidden_keys)
         return meta
+
+    def tree_groups(self, decodes: list[tuple[int, list[int]]],
+                    hidden_keys: dict[int, list[int]]) -> list[DecodeGroup]:
+        """One masked PyTorch group per run of consecutive tree rows that hide keys (the kernel has no key mask;
+        a tree's rows are few, so attending them again costs little next to the step's matmuls)."""
+        rows, groups, start = sorted(hidden_keys), [], 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                first, end = rows[start], rows[i - 1] + 1
+                group = TorchAttentionBackend._group(self, first, *self.tables_and_lengths(decodes[first:end]))
+                hide_tree_keys(group, hidden_keys)
+                groups.append(group)
+                start = i
+        return groups
 
     def packed_prefills(self, start: int, prefills: list[tuple[int, int, list[int]]]) -> PackedPrefills:
         query_start, seq_lens, tables = [0], [], []

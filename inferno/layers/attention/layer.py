@@ -42,14 +42,22 @@ class Attention(nn.Module):
         return None if cache is None else cache.view(self.num_kv_heads, -1, self.head_dim).transpose(0, 1)
 
     def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
-        """Copy-on-write: whole blocks of this layer's cache, `sources[i]` to `destinations[i]` (a quantized cache's
-        codes, as bytes: CPU indexing has no fp8 kernel, and their scales)."""
-        if self.k_scale is None:
-            tensors = (self.k_cache, self.v_cache)
-        else:
-            tensors = (self.k_cache.view(torch.uint8), self.v_cache.view(torch.uint8), self.k_scale, self.v_scale)
-        for cache in tensors:
+        """Copy-on-write: whole blocks of this layer's cache, `sources[i]` to `destinations[i]`."""
+        for cache in self._indexable_caches():
             cache[:, destinations] = cache[:, sources]
+
+    def move_slots(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Single token slots of this layer's cache, `sources[i]` to `destinations[i]` (a draft tree's accepted
+        path, moved to consecutive positions); each source is read before any destination is written."""
+        for cache in self._indexable_caches():
+            slots = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [kv_heads, slots, ...]
+            slots[:, destinations] = slots[:, sources]
+
+    def _indexable_caches(self) -> tuple[torch.Tensor, ...]:
+        """K and V, or a quantized cache's codes as bytes (CPU indexing has no fp8 kernel) and their scales."""
+        if self.k_scale is None:
+            return self.k_cache, self.v_cache
+        return self.k_cache.view(torch.uint8), self.v_cache.view(torch.uint8), self.k_scale, self.v_scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]: the new K/V written to the cache, then attention through it."""

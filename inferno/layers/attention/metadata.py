@@ -3,7 +3,7 @@
 The cache of one layer is head-major, `[num_kv_heads, num_blocks, block_size, head_dim]`, so gathering a
 request's blocks yields K/V already laid out as `[kv_heads, tokens, head_dim]` for batched matmuls.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk] | list[PackedPrefills]  # one per chunk (PyTorch), one for all (native kernel)
+    # native kernel: runs of decode rows that are nodes of a draft tree, attended again on the PyTorch path with
+    # masks that hide the other branches (the kernel reads every key up to a row's sequence length)
+    tree_groups: list[DecodeGroup] = field(default_factory=list)
 
 
 def block_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:

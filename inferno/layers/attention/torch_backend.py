@@ -49,9 +49,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     # --- metadata --------------------------------------------------------------------------------------------
     def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
-                       prefills: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+                       prefills: list[tuple[int, int, list[int]]],
+                       tree_hidden_keys: dict[int, list[int]] | None = None) -> AttentionMetadata:
         size = max(len(decodes), 1) if self.decode_group_size is None else self.decode_group_size
         groups = [self.decode_group(i, decodes[i:i + size]) for i in range(0, len(decodes), size)]
+        for group in groups if tree_hidden_keys else []:
+            hide_tree_keys(group, tree_hidden_keys)
         chunks, start = [], len(decodes)
         for n, num_computed, block_ids in prefills:
             chunks.append(self.prefill_chunk(start, n, num_computed, block_ids))
@@ -80,10 +83,13 @@ class TorchAttentionBackend(AttentionBackend):
         return PrefillChunk(start, start + n, num_computed, table, self._rows(table), mask, window_mask)
 
     def decode_group(self, start: int, decodes: list[tuple[int, list[int]]]) -> DecodeGroup:
+        return self._group(start, *self.tables_and_lengths(decodes))
+
+    def tables_and_lengths(self, decodes: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables padded to the group's longest request (with block 0, masked out) and sequence lengths."""
         width = max(len(table) for _, table in decodes)
         tables = self._tensor([table + [0] * (width - len(table)) for _, table in decodes])
-        return self._group(start, tables, self._tensor([seq_len for seq_len, _ in decodes]))
+        return tables, self._tensor([seq_len for seq_len, _ in decodes])
 
     def _group(self, start: int, tables: torch.Tensor, seq_lens: torch.Tensor) -> DecodeGroup:
         group = DecodeGroup(start, start + tables.shape[0], tables, seq_lens)
@@ -99,11 +105,13 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self.write(layer, k, v, meta.slot_mapping)
-        if not meta.prefills and len(meta.decode_groups) == 1:  # decodes in one group: their output as it comes
+        if not meta.prefills and len(meta.decode_groups) == 1 and not meta.tree_groups:  # output as it comes
             return self.decode(layer, q, meta.decode_groups[0]).view(q.shape[0], -1)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.start:group.end] = self.decode(layer, q[group.start:group.end], group)
+        for group in meta.tree_groups:
+            out[group.start:group.end] = TorchAttentionBackend.decode(self, layer, q[group.start:group.end], group)
         for chunk in meta.prefills:
             out[chunk.start:chunk.end] = self.prefill(layer, q, k, v, chunk)
         return out.view(q.shape[0], -1)
@@ -149,6 +157,18 @@ class TorchAttentionBackend(AttentionBackend):
         scores.masked_fill_(~(group.window_mask if layer.sliding_window else group.mask), float("-inf"))
         out = torch.matmul(scores.softmax(dim=-1), values)  # [kv_heads, B, group, D]
         return out.transpose(0, 1).reshape(batch, layer.num_heads, layer.head_dim)
+
+
+def hide_tree_keys(group: DecodeGroup, hidden_keys: dict[int, list[int]]) -> None:
+    """Mask out, for the group's rows that are nodes of a draft tree, the keys of the other branches."""
+    rows = [row for row in range(group.start, group.end) if row in hidden_keys]
+    if not rows:
+        return
+    mask = group.mask.clone()
+    for row in rows:
+        mask[0, row - group.start, 0, hidden_keys[row]] = False
+    group.window_mask = mask if group.window_mask is group.mask else group.window_mask & mask
+    group.mask = mask
 
 
 def gather_layer_kv(layer: Attention, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,11 @@ class TritonAttentionBackend(AttentionBackend):
         return None
 
     def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
-                       prefills: list[tuple[int, int, list[int]]]) -> TritonMetadata:
+                       prefills: list[tuple[int, int, list[int]]],
+                       tree_hidden_keys: dict[int, list[int]] | None = None) -> TritonMetadata:
+        if tree_hidden_keys:
+            raise NotImplementedError("draft trees are not verified on the triton attention backend (its kernels "
+                                      "have no per-query key mask): leave speculative_token_tree out on GPUs")
         starts, seq_lens, tables = [0], [], []
         for n, num_computed, block_ids in prefills:
             starts.append(starts[-1] + n)

@@ -3,7 +3,7 @@ argmax, sampled ones draw from the processed distribution q, which the rejection
 import torch
 
 from inferno.layers.sampler import process_logits, random_sample
-from inferno.worker.model_runner import SamplingState, sampling_metadata
+from inferno.worker.sampling_metadata import SamplingState, sampling_metadata
 
 
 def sample_drafts(logits: torch.Tensor, rows: list[tuple[SamplingState, list[int]]], vocab_size: int,

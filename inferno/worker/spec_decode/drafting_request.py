@@ -15,10 +15,12 @@ class DraftingRequest(TokenCounts):
     token_ids: list[int]  # the state's tokens and the ones emitted since (which the state gets with the next step)
     num_draft_tokens: int
     num_preemptions: int
+    tree: bool = False  # drafts as a tree (speculative_token_tree), up to num_draft_tokens deep
 
     @classmethod
     def of(cls, state: CachedRequestState, wanted: DraftRequest) -> "DraftingRequest":
-        return cls(state, state.token_ids + wanted.new_token_ids, wanted.num_draft_tokens, wanted.num_preemptions)
+        return cls(state, state.token_ids + wanted.new_token_ids, wanted.num_draft_tokens, wanted.num_preemptions,
+                   wanted.tree)
 
     @property
     def request_id(self) -> str:
