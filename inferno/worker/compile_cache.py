@@ -144,11 +144,14 @@ def structure(value: object, depth: int = 0) -> str:
 
 
 def attributes(value: object) -> dict:
-    """An object's attributes (a module's tensors and settings, without its submodules, listed by `structure`)."""
+    """An object's attributes (a module's tensors and settings, without its submodules, listed by `structure`, and
+    without the buffers the warm-up makes: `QuantizedLinear.warm_up_buffers`)."""
     if dataclasses.is_dataclass(value):
         return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
     fields = dict(getattr(value, "__dict__", {}))
     fields.pop("_modules", None)
+    if made_later := getattr(value, "warm_up_buffers", ()):  # tiles: the key names the layers planned to have them
+        fields["_buffers"] = {k: v for k, v in fields["_buffers"].items() if k not in made_later}
     return fields
 
 

@@ -74,9 +74,9 @@ class WarmUp:
         """At a lower OS priority (Linux), as are the compiler processes it starts, so serving keeps its core."""
         lower_thread_priority()
         try:
-            self.tile_switch.tile_between_steps(WARM_UP_DELAY)
             if self.compile_decode:
-                self._compile_decode_step()
+                self._compile_decode_step()  # tiles the weights when its graphs need them
+            self.tile_switch.tile_between_steps(WARM_UP_DELAY)
             if self.huge_pages:
                 try:
                     move_weights_to_huge_pages(self.model)
@@ -91,7 +91,7 @@ class WarmUp:
 
         Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
         hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
-        modules (their tiles are final by now). The warm-up calls do run the graphs on the real caches, but write
+        modules (their tiles are final by then). The warm-up calls do run the graphs on the real caches, but write
         only the scratch block.
 
         Tracing and code generation hold the GIL, which the serving thread gives up in every op call and then waits
@@ -116,22 +116,25 @@ class WarmUp:
 
     def _load_or_compile(self, folder: Path) -> CompiledDecode:
         """The precompiled step of this model and configuration if the compile cache has a sound one, else the step
-        compiled (once more from scratch where an entry of inductor's caches broke it) and saved."""
+        compiled (once more from scratch where an entry of inductor's caches broke it) and saved.
+
+        The precompiled graphs are looked up and loaded at once, while the first step runs; their first calls (and
+        a compile's trace) wait for the tiles they read, which the tile switch makes between two passes."""
         start = time.perf_counter()
         options = compile_options()  # imports inductor and runs its ISA probe: most of this phase
         options_made = time.perf_counter()
-        # what the trace reads: the model and its attention backend (the engine's options as they hold them: the KV
-        # caches' dtype and capacity, the backend, the quantized layers), and inductor's options
-        path = precompiled_path(folder, precompiled_key(self.model, self.attention, options))
+        path = self._precompiled_path(folder, options)
         logger.info("decode step: looking for its precompiled graphs (inductor loaded in %.2f s, key made in %.2f s)",
                     options_made - start, time.perf_counter() - options_made)
-        if (serialized := read_precompiled(path)) is not None:
+        loaded = self._load_graphs(path, folder)
+        self.tile_switch.tile_between_steps(WARM_UP_DELAY)
+        if (tiled := self._precompiled_path(folder, options)) != path:  # tiling failed: other graphs
+            path, loaded = tiled, self._load_graphs(tiled, folder)
+        if loaded is not None:
             try:
-                return self._load_graphs(serialized, path)
+                return self._warm_up_loaded(loaded, path)
             except Exception:
-                logger.exception("the precompiled decode step %s cannot be used; compiling afresh", path)
-                path.unlink(missing_ok=True)
-                clear_compile_cache(folder)  # its libraries may be what broke
+                self._drop_precompiled(path, folder)
         hits = compile_cache_hits()
         try:
             compiled = self._compile_and_warm_up()
@@ -144,20 +147,43 @@ class WarmUp:
         write_precompiled(path, compiled.serialized)
         return compiled
 
+    def _precompiled_path(self, folder: Path, options: dict) -> Path:
+        """Keyed by what the trace reads: the model and its attention backend (the engine's options as they hold
+        them: the KV caches' dtype and capacity, the backend, the quantized layers), the layers that run on tiles
+        (the plan: the tiles need not exist yet) and inductor's options."""
+        return precompiled_path(folder, precompiled_key(self.model, self.attention, options,
+                                                        self.tile_switch.tiled_names()))
+
     def _compile_and_warm_up(self) -> CompiledDecode:
         scratch = (self.model, self.attention, self.scratch_block, self.block_size)
         compiled = compile_graphs(*scratch)
         warm_up_graphs(compiled, *scratch)
         return compiled
 
-    def _load_graphs(self, serialized: dict[str, bytes], path: Path) -> CompiledDecode:
+    def _load_graphs(self, path: Path, folder: Path) -> CompiledDecode | None:
+        """The graphs precompiled in `path`, unless there are none or they cannot be used (then removed)."""
+        if (serialized := read_precompiled(path)) is None:
+            return None
         start = time.perf_counter()
-        compiled = load_graphs(serialized)
-        loaded = time.perf_counter()
-        warm_up_graphs(compiled, self.model, self.attention, self.scratch_block, self.block_size)
-        logger.info("decode graphs loaded from %s in %.1f s (no tracing), first calls %.1f s", path.name,
-                    loaded - start, time.perf_counter() - loaded)
+        try:
+            compiled = load_graphs(serialized)
+        except Exception:
+            self._drop_precompiled(path, folder)
+            return None
+        logger.info("decode graphs loaded from %s in %.1f s (no tracing)", path.name, time.perf_counter() - start)
         return compiled
+
+    def _warm_up_loaded(self, compiled: CompiledDecode, path: Path) -> CompiledDecode:
+        start = time.perf_counter()
+        warm_up_graphs(compiled, self.model, self.attention, self.scratch_block, self.block_size)
+        logger.info("precompiled decode graphs of %s: first calls %.1f s", path.name, time.perf_counter() - start)
+        return compiled
+
+    @staticmethod
+    def _drop_precompiled(path: Path, folder: Path) -> None:
+        logger.exception("the precompiled decode step %s cannot be used; compiling afresh", path)
+        path.unlink(missing_ok=True)
+        clear_compile_cache(folder)  # its libraries may be what broke
 
 
 class WarmUpStopped(BaseException):
