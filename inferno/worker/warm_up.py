@@ -19,15 +19,15 @@ import torch
 
 from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, precompiled_key, precompiled_path,
                                          read_precompiled, use_compile_cache, write_precompiled)
-from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, load_graphs,
-                                           warm_up_graphs)
+from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, import_compiler,
+                                           load_graphs, warm_up_graphs)
 from inferno.worker.huge_pages import move_weights_to_huge_pages
 from inferno.worker.tile_switch import TileSwitch
 
 logger = logging.getLogger("inferno")
 
-# the warm-up thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
-# starved for long by other processes, which would stall the serving thread waiting for the GIL
+# the warm-up thread's niceness while it compiles: serving keeps its core, yet the thread (which holds the GIL while
+# tracing) is not starved for long by other processes, which would stall the serving thread waiting for the GIL
 WARM_UP_NICENESS = 10
 # seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
 # GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
@@ -63,20 +63,19 @@ class WarmUp:
         return self.compiled
 
     def stop(self) -> None:
-        """End the thread where it is, for the interpreter's exit: raises WarmUpStopped in it, which takes effect at
-        its next Python instruction (a tile, a traced op, a huge-page chunk)."""
-        thread = self._thread
-        if thread.is_alive():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(WarmUpStopped))
-            thread.join(WARM_UP_STOP_WAIT)
+        """End the thread where it is, for the interpreter's exit (`stop_thread`)."""
+        stop_thread(self._thread)
 
     def _run(self) -> None:
-        """At a lower OS priority (Linux), as are the compiler processes it starts, so serving keeps its core."""
-        lower_thread_priority()
+        """Its long work (a compile, the copy to huge pages) at a lower OS priority (Linux), as are the compiler
+        processes it starts, so serving keeps its core; loading a precompiled step at the serving thread's: beside
+        a busy serving thread (whose OpenMP threads spin between operators) a niced thread got little CPU, and took
+        tens of seconds for seconds of work, holding the GIL the serving thread waits for."""
         try:
             if self.compile_decode:
                 self._compile_decode_step()  # tiles the weights when its graphs need them
             self.tile_switch.tile_between_steps(WARM_UP_DELAY)
+            lower_thread_priority()
             if self.huge_pages:
                 try:
                     move_weights_to_huge_pages(self.model)
@@ -121,7 +120,9 @@ class WarmUp:
         The precompiled graphs are looked up and loaded at once, while the first step runs; their first calls (and
         a compile's trace) wait for the tiles they read, which the tile switch makes between two passes."""
         start = time.perf_counter()
-        options = compile_options()  # imports inductor and runs its ISA probe: most of this phase
+        if COMPILER_IMPORT is not None:
+            COMPILER_IMPORT.join()
+        options = compile_options()  # inductor's import and ISA probe, unless `import_compiler_early` ran them
         options_made = time.perf_counter()
         path = self._precompiled_path(folder, options)
         logger.info("decode step: looking for its precompiled graphs (inductor loaded in %.2f s, key made in %.2f s)",
@@ -135,6 +136,7 @@ class WarmUp:
                 return self._warm_up_loaded(loaded, path)
             except Exception:
                 self._drop_precompiled(path, folder)
+        lower_thread_priority()
         hits = compile_cache_hits()
         try:
             compiled = self._compile_and_warm_up()
@@ -190,6 +192,31 @@ class WarmUpStopped(BaseException):
     """Raised in a warm-up thread at the interpreter's exit (a BaseException: no `except Exception` swallows it)."""
 
 
+# the thread importing inductor while the model loads (`import_compiler_early`), which a warm-up waits for
+COMPILER_IMPORT: threading.Thread | None = None
+
+
+def import_compiler_early() -> None:
+    """Start importing inductor (and running its ISA probe) on a thread of its own, at the normal priority, once per
+    process: called before the model loads, while a core is mostly idle. Done by the niced warm-up thread beside a
+    busy serving thread it took 20-70 s (SmolLM2, 2 cores), most of a second start's wait for its compiled step."""
+    global COMPILER_IMPORT
+    if COMPILER_IMPORT is None:
+        COMPILER_IMPORT = threading.Thread(target=import_compiler_quietly, name="inferno-import-compiler",
+                                           daemon=True)
+        COMPILER_IMPORT.start()
+
+
+def import_compiler_quietly() -> None:
+    try:
+        use_compile_cache()  # before the ISA probe, which builds into inductor's cache folder
+        import_compiler()
+    except WarmUpStopped:  # the interpreter is exiting
+        pass
+    except Exception:  # the warm-up imports it again, and reports what fails
+        logger.debug("importing inductor ahead of the warm-up failed", exc_info=True)
+
+
 # Warm-ups whose thread may still run. A daemon thread still inside a C++ call (a torch op, the compiler) as Python
 # 3.11 finalizes is ended by pthread_exit, whose unwinding through noexcept C++ frames aborts the process ("terminate
 # called without an active exception", exit code 134): `inferno generate` used to end so whenever its answer came
@@ -199,12 +226,23 @@ RUNNING: "weakref.WeakSet[WarmUp]" = weakref.WeakSet()
 
 @atexit.register
 def stop_warm_ups() -> None:
+    if COMPILER_IMPORT is not None:
+        stop_thread(COMPILER_IMPORT)
     for warm_up in list(RUNNING):
         warm_up.stop()
 
 
+def stop_thread(thread: threading.Thread) -> None:
+    """End a warm-up's thread where it is: raises WarmUpStopped in it, which takes effect at its next Python
+    instruction (a tile, a traced op, a huge-page chunk, a module imported)."""
+    if thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(WarmUpStopped))
+        thread.join(WARM_UP_STOP_WAIT)
+
+
 def lower_thread_priority() -> None:
-    """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own."""
+    """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own (for
+    good: without privileges it cannot be raised again)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
     except (AttributeError, OSError):
