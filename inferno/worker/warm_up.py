@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, precompiled_key, precompiled_path,
-                                         read_precompiled, use_compile_cache, write_precompiled)
+from inferno.worker.compile_cache import (clear_compile_cache, code_digest, compile_cache_hits, precompiled_key,
+                                         precompiled_path, read_precompiled, use_compile_cache, write_precompiled)
 from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, import_compiler,
                                            load_graphs, warm_up_graphs)
 from inferno.worker.huge_pages import move_weights_to_huge_pages
@@ -197,8 +197,8 @@ COMPILER_IMPORT: threading.Thread | None = None
 
 
 def import_compiler_early() -> None:
-    """Start importing inductor (and running its ISA probe) on a thread of its own, at the normal priority, once per
-    process: called before the model loads, while a core is mostly idle. Done by the niced warm-up thread beside a
+    """Start importing inductor (and running its ISA probe, and hashing inferno's code for the precompiled key) on a
+    thread of its own, at the normal priority, once per process: called before the model loads, while a core is mostly idle. Done by the niced warm-up thread beside a
     busy serving thread it took 20-70 s (SmolLM2, 2 cores), most of a second start's wait for its compiled step."""
     global COMPILER_IMPORT
     if COMPILER_IMPORT is None:
@@ -211,6 +211,7 @@ def import_compiler_quietly() -> None:
     try:
         use_compile_cache()  # before the ISA probe, which builds into inductor's cache folder
         import_compiler()
+        code_digest()  # the precompiled key's first part: inferno's code read and hashed
     except WarmUpStopped:  # the interpreter is exiting
         pass
     except Exception:  # the warm-up imports it again, and reports what fails
