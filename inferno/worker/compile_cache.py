@@ -150,7 +150,7 @@ def attributes(value: object) -> dict:
         return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
     fields = dict(getattr(value, "__dict__", {}))
     fields.pop("_modules", None)
-    if made_later := getattr(value, "warm_up_buffers", ()):  # tiles: the key names the layers planned to have them
+    if made_later := getattr(type(value), "warm_up_buffers", ()):  # tiles: the key names the layers to have them
         fields["_buffers"] = {k: v for k, v in fields["_buffers"].items() if k not in made_later}
     return fields
 
