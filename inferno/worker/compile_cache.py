@@ -16,8 +16,9 @@ The precompiled step skips what inductor's key is made of (the traced graph), so
 trace depends on (`precompiled_key`): inferno's code and kernel library, torch and Python, the compile options, and
 the structure of the model and its attention backend down to every tensor's shape, dtype and strides and every
 attribute the layers read (the model's configuration, and the engine's as they hold it: KV cache dtype and capacity,
-backend, quantization); not the weights' values, which are inputs of the graphs. Its file carries
-a checksum: a file cut short or damaged is removed and compiled afresh.
+backend, quantization); not the weights' values, which are inputs of the graphs, nor the tiles, which the warm-up
+makes after the lookup (the caller names the layers planned to have them). Its file carries a checksum: a file cut
+short or damaged is removed and compiled afresh.
 """
 import dataclasses
 import enum
