@@ -198,8 +198,9 @@ COMPILER_IMPORT: threading.Thread | None = None
 
 def import_compiler_early() -> None:
     """Start importing inductor (and running its ISA probe, and hashing inferno's code for the precompiled key) on a
-    thread of its own, at the normal priority, once per process: called before the model loads, while a core is mostly idle. Done by the niced warm-up thread beside a
-    busy serving thread it took 20-70 s (SmolLM2, 2 cores), most of a second start's wait for its compiled step."""
+    thread of its own, at the normal priority, once per process: called before the model loads, while a core is
+    mostly idle. Done by the niced warm-up thread beside a busy serving thread it took 20-70 s (SmolLM2, 2 cores),
+    most of a second start's wait for its compiled step."""
     global COMPILER_IMPORT
     if COMPILER_IMPORT is None:
         COMPILER_IMPORT = threading.Thread(target=import_compiler_quietly, name="inferno-import-compiler",
