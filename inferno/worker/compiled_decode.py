@@ -167,20 +167,14 @@ def phase_seconds() -> dict[str, float]:
 
 def load_graphs(serialized: dict[str, bytes]) -> CompiledDecode:
     """The graphs of a precompiled artifact (raises where it cannot be used: another torch or Python, a damaged
-    entry). Their C++ libraries come from inductor's cache folder (built again where missing).
-
-    Without precompiled headers: inductor readies them for each library it loads, built or not, and readying one
-    runs the preprocessor over the header (all of torch's) to hash it, seconds per library (the libraries' names do
-    not depend on them)."""
-    import torch._inductor.config
+    entry). Their C++ libraries come from inductor's cache folder (built again where missing)."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
     # the guards' state names the native operators' namespace as a module, which unpickling imports by name
     sys.modules.setdefault("torch.ops.inferno", torch.ops.inferno)
     graphs = {}
-    with torch._inductor.config.patch(cpp_cache_precompile_headers=False):
-        for name in serialized:
-            graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
-            graphs[name].disable_guard_check()
+    for name in serialized:
+        graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
+        graphs[name].disable_guard_check()
     return CompiledDecode(graphs)
 
 
