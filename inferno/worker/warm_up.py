@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from inferno.worker.compile_cache import (clear_compile_cache, code_digest, compile_cache_hits, precompiled_key,
-                                         precompiled_path, read_precompiled, use_compile_cache, write_precompiled)
+                                         precompiled_path, read_precompiled, structure, use_compile_cache,
+                                         write_precompiled)
 from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, import_compiler,
                                            load_graphs, warm_up_graphs)
 from inferno.worker.huge_pages import move_weights_to_huge_pages
@@ -54,6 +55,11 @@ class WarmUp:
         self._thread = threading.Thread(target=self._run, name="inferno-warm-up", daemon=True)
 
     def start(self) -> None:
+        """Before the first step: the precompiled key's parts that describe the model are taken now, as a step
+        leaves them (a step can leave state on the modules or the attention backend, and a key taken after one
+        missed a step taken before it)."""
+        if self.compile_decode:
+            self._structure = (structure(self.model), structure(self.attention), self.tile_switch.tiled_names())
         RUNNING.add(self)
         self._thread.start()
 
@@ -153,8 +159,10 @@ class WarmUp:
         """Keyed by what the trace reads: the model and its attention backend (the engine's options as they hold
         them: the KV caches' dtype and capacity, the backend, the quantized layers), the layers that run on tiles
         (the plan: the tiles need not exist yet) and inductor's options."""
-        return precompiled_path(folder, precompiled_key(self.model, self.attention, options,
-                                                        self.tile_switch.tiled_names()))
+        model, attention, tiled = self._structure
+        if (now := self.tile_switch.tiled_names()) != tiled:  # tiling a layer failed
+            self._structure = model, attention, tiled = model, attention, now
+        return precompiled_path(folder, precompiled_key(model, attention, options, tiled))
 
     def _compile_and_warm_up(self) -> CompiledDecode:
         scratch = (self.model, self.attention, self.scratch_block, self.block_size)
