@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from inferno.loader.model_loader import load_model
 from inferno.worker.compile_cache import precompiled_key, read_precompiled, structure, write_precompiled
+from inferno.worker.tile_switch import TileSwitch
 from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
 
@@ -153,6 +155,21 @@ def test_the_precompiled_key_follows_shapes_settings_and_options():
     with torch.no_grad():
         changed.weight.mul_(3)
     assert precompiled_key(changed, options) == key
+
+
+def test_the_precompiled_key_is_made_before_the_tiles_and_names_the_layers_that_got_them(models):
+    """The warm-up looks the precompiled step up at start-up, before the tiles its graphs read exist: the key (the
+    model's structure without them, and the layers planned to have them) is the same once they are made, and another
+    where a layer did not get its tiles (tiling failed), since its graphs would read its stored blocks instead."""
+    model = load_model(str(models[0]), torch.float32, quantization="auto").model
+    switch = TileSwitch(model, enabled=True)
+    assert switch.planned and all(layer.tiles is None for layer in switch.planned)
+    before = precompiled_key(model, switch.tiled_names())
+    switch.tile_between_steps(0)
+    assert all(layer.tiles is not None for layer in switch.planned)
+    assert precompiled_key(model, switch.tiled_names()) == before
+    switch.planned[0].tiles = None
+    assert precompiled_key(model, switch.tiled_names()) != before
 
 
 def test_a_precompiled_file_cut_short_reads_as_none(tmp_path):

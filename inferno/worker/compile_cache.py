@@ -16,8 +16,9 @@ The precompiled step skips what inductor's key is made of (the traced graph), so
 trace depends on (`precompiled_key`): inferno's code and kernel library, torch and Python, the compile options, and
 the structure of the model and its attention backend down to every tensor's shape, dtype and strides and every
 attribute the layers read (the model's configuration, and the engine's as they hold it: KV cache dtype and capacity,
-backend, quantization); not the weights' values, which are inputs of the graphs. Its file carries
-a checksum: a file cut short or damaged is removed and compiled afresh.
+backend, quantization); not the weights' values, which are inputs of the graphs, nor the tiles, which the warm-up
+makes after the lookup (the caller names the layers planned to have them). Its file carries a checksum: a file cut
+short or damaged is removed and compiled afresh.
 """
 import dataclasses
 import enum
@@ -144,11 +145,14 @@ def structure(value: object, depth: int = 0) -> str:
 
 
 def attributes(value: object) -> dict:
-    """An object's attributes (a module's tensors and settings, without its submodules, listed by `structure`)."""
+    """An object's attributes (a module's tensors and settings, without its submodules, listed by `structure`, and
+    without the buffers the warm-up makes: `QuantizedLinear.warm_up_buffers`)."""
     if dataclasses.is_dataclass(value):
         return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
     fields = dict(getattr(value, "__dict__", {}))
     fields.pop("_modules", None)
+    if made_later := getattr(type(value), "warm_up_buffers", ()):  # tiles: the key names the layers to have them
+        fields["_buffers"] = {k: v for k, v in fields["_buffers"].items() if k not in made_later}
     return fields
 
 

@@ -61,6 +61,16 @@ def compile_options() -> dict:
             **vector_width_option()}
 
 
+def import_compiler() -> None:
+    """What loading a precompiled step (or compiling one) imports: dynamo's AOT compile, AOTAutograd's and inductor's
+    caches, inductor itself (`compile_options`, which also runs its ISA probe)."""
+    import torch._dynamo.aot_compile  # noqa: F401
+    import torch._functorch._aot_autograd.aot_autograd_result  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.output_code  # noqa: F401
+    compile_options()
+
+
 def vector_width_option() -> dict[str, int]:
     """Inductor's vector width for CPU code, as it would pick it (ATEN_CPU_CAPABILITY, else the CPU's widest), set
     explicitly: its compile cache is keyed by its configuration but not by that choice, so a process capped at AVX2

@@ -7,7 +7,10 @@ run to run. So a runner switches at one place, its `TileSwitch`, and only betwee
 every pass (a step, a run of flat batches, a draft model's proposal, a Medusa proposal on the target's head, a pass
 of head training) runs inside `step()`, the first one on the stored blocks and every later one on the tiles, made by
 the warm-up in the background between them or, if it has not got to them yet, at the start of the second pass. An
-engine idle for the warm-up's delay after start-up has them made before its first pass (`tile_between_steps`)."""
+engine idle for the warm-up's delay after start-up has them made before its first pass (`tile_between_steps`).
+
+Which layers get tiles is decided when the switch is made (`planned`), so the warm-up can look up the precompiled
+decode step, whose graphs read the tiles, before they exist (worker/compile_cache.py keys it by the plan)."""
 import logging
 import threading
 import time
@@ -27,7 +30,9 @@ class TileSwitch:
 
     def __init__(self, model: torch.nn.Module, enabled: bool):
         self.model = model
-        self.tiled = not enabled  # tiles made, or given up on: nothing left to switch
+        # the layers that will run on tiles (none where their copies would not fit in memory)
+        self.planned: list[QuantizedLinear] = planned_tiles(model) if enabled else []
+        self.tiled = not self.planned  # tiles made, or given up on: nothing left to switch
         self.first_step_done = threading.Event()
         self._lock = threading.Lock()  # held by a pass over the weights, or while the tiles are made
 
@@ -52,26 +57,39 @@ class TileSwitch:
     def tile_between_steps(self, idle_wait: float) -> None:
         """The warm-up's tiling: once the first pass is over (or after `idle_wait` seconds with none), between two
         passes."""
+        if self.tiled:
+            return
         self.first_step_done.wait(idle_wait)
         with self._lock:
             if not self.tiled:
                 self._tile()
 
+    def tiled_names(self) -> list[str]:
+        """The names of the layers that run on tiles once the switch is made: the plan until then, after it the
+        layers that got them (tiling may have failed)."""
+        tiled = {id(m) for m in self.planned if not self.tiled or m.tiles is not None}
+        return [name for name, module in self.model.named_modules() if id(module) in tiled]
+
     def _tile(self) -> None:
-        tile_weights(self.model)
+        tile_weights(self.planned)
         self.tiled = True
 
 
-def tile_weights(model: torch.nn.Module) -> None:
-    """Regroup the quantized weights that have tiles (`QuantizedLinear.tile`), unless the copies would take over half
+def planned_tiles(model: torch.nn.Module) -> list[QuantizedLinear]:
+    """The quantized layers that have tiles (`QuantizedLinear.can_tile`); none where the copies would take over half
     the memory available."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.can_tile]
     size = sum(m.weight.nbytes for m in layers)
-    if not layers or size > available_memory() // 2:
-        if layers:
-            logger.info("weights stay untiled: tiles of %.2f GiB would take over half the memory available",
-                        size / 2**30)
-        return
+    if layers and size > available_memory() // 2:
+        logger.info("weights stay untiled: tiles of %.2f GiB would take over half the memory available",
+                    size / 2**30)
+        return []
+    return layers
+
+
+def tile_weights(layers: list[QuantizedLinear]) -> None:
+    """Regroup `layers`' weights into tiles (`QuantizedLinear.tile`)."""
+    size = sum(m.weight.nbytes for m in layers)
     start = time.perf_counter()
     try:
         with torch.inference_mode():

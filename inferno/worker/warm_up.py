@@ -17,17 +17,18 @@ from pathlib import Path
 
 import torch
 
-from inferno.worker.compile_cache import (clear_compile_cache, compile_cache_hits, precompiled_key, precompiled_path,
-                                         read_precompiled, use_compile_cache, write_precompiled)
-from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, load_graphs,
-                                           warm_up_graphs)
+from inferno.worker.compile_cache import (clear_compile_cache, code_digest, compile_cache_hits, precompiled_key,
+                                         precompiled_path, read_precompiled, structure, use_compile_cache,
+                                         write_precompiled)
+from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, import_compiler,
+                                           load_graphs, warm_up_graphs)
 from inferno.worker.huge_pages import move_weights_to_huge_pages
 from inferno.worker.tile_switch import TileSwitch
 
 logger = logging.getLogger("inferno")
 
-# the warm-up thread's niceness: serving keeps its core, yet the thread (which holds the GIL while tracing) is not
-# starved for long by other processes, which would stall the serving thread waiting for the GIL
+# the warm-up thread's niceness while it compiles: serving keeps its core, yet the thread (which holds the GIL while
+# tracing) is not starved for long by other processes, which would stall the serving thread waiting for the GIL
 WARM_UP_NICENESS = 10
 # seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
 # GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
@@ -54,6 +55,11 @@ class WarmUp:
         self._thread = threading.Thread(target=self._run, name="inferno-warm-up", daemon=True)
 
     def start(self) -> None:
+        """Before the first step: the precompiled key's parts that describe the model are taken now, as a step
+        leaves them (a step can leave state on the modules or the attention backend, and a key taken after one
+        missed a step taken before it)."""
+        if self.compile_decode:
+            self._structure = (structure(self.model), structure(self.attention), self.tile_switch.tiled_names())
         RUNNING.add(self)
         self._thread.start()
 
@@ -63,20 +69,19 @@ class WarmUp:
         return self.compiled
 
     def stop(self) -> None:
-        """End the thread where it is, for the interpreter's exit: raises WarmUpStopped in it, which takes effect at
-        its next Python instruction (a tile, a traced op, a huge-page chunk)."""
-        thread = self._thread
-        if thread.is_alive():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(WarmUpStopped))
-            thread.join(WARM_UP_STOP_WAIT)
+        """End the thread where it is, for the interpreter's exit (`stop_thread`)."""
+        stop_thread(self._thread)
 
     def _run(self) -> None:
-        """At a lower OS priority (Linux), as are the compiler processes it starts, so serving keeps its core."""
-        lower_thread_priority()
+        """Its long work (a compile, the copy to huge pages) at a lower OS priority (Linux), as are the compiler
+        processes it starts, so serving keeps its core; loading a precompiled step at the serving thread's: beside
+        a busy serving thread (whose OpenMP threads spin between operators) a niced thread got little CPU, and took
+        tens of seconds for seconds of work, holding the GIL the serving thread waits for."""
         try:
-            self.tile_switch.tile_between_steps(WARM_UP_DELAY)
             if self.compile_decode:
-                self._compile_decode_step()
+                self._compile_decode_step()  # tiles the weights when its graphs need them
+            self.tile_switch.tile_between_steps(WARM_UP_DELAY)
+            lower_thread_priority()
             if self.huge_pages:
                 try:
                     move_weights_to_huge_pages(self.model)
@@ -91,7 +96,7 @@ class WarmUp:
 
         Compiling here while the serving thread runs eager forwards of the same modules is safe: dynamo's frame
         hook, fake-tensor and dispatch modes, grad/inference mode are all per thread, and tracing only reads the
-        modules (their tiles are final by now). The warm-up calls do run the graphs on the real caches, but write
+        modules (their tiles are final by then). The warm-up calls do run the graphs on the real caches, but write
         only the scratch block.
 
         Tracing and code generation hold the GIL, which the serving thread gives up in every op call and then waits
@@ -116,22 +121,28 @@ class WarmUp:
 
     def _load_or_compile(self, folder: Path) -> CompiledDecode:
         """The precompiled step of this model and configuration if the compile cache has a sound one, else the step
-        compiled (once more from scratch where an entry of inductor's caches broke it) and saved."""
+        compiled (once more from scratch where an entry of inductor's caches broke it) and saved.
+
+        The precompiled graphs are looked up and loaded at once, while the first step runs; their first calls (and
+        a compile's trace) wait for the tiles they read, which the tile switch makes between two passes."""
         start = time.perf_counter()
-        options = compile_options()  # imports inductor and runs its ISA probe: most of this phase
+        if COMPILER_IMPORT is not None:
+            COMPILER_IMPORT.join()
+        options = compile_options()  # inductor's import and ISA probe, unless `import_compiler_early` ran them
         options_made = time.perf_counter()
-        # what the trace reads: the model and its attention backend (the engine's options as they hold them: the KV
-        # caches' dtype and capacity, the backend, the quantized layers), and inductor's options
-        path = precompiled_path(folder, precompiled_key(self.model, self.attention, options))
+        path = self._precompiled_path(folder, options)
         logger.info("decode step: looking for its precompiled graphs (inductor loaded in %.2f s, key made in %.2f s)",
                     options_made - start, time.perf_counter() - options_made)
-        if (serialized := read_precompiled(path)) is not None:
+        loaded = self._load_graphs(path, folder)
+        self.tile_switch.tile_between_steps(WARM_UP_DELAY)
+        if (tiled := self._precompiled_path(folder, options)) != path:  # tiling failed: other graphs
+            path, loaded = tiled, self._load_graphs(tiled, folder)
+        if loaded is not None:
             try:
-                return self._load_graphs(serialized, path)
+                return self._warm_up_loaded(loaded, path)
             except Exception:
-                logger.exception("the precompiled decode step %s cannot be used; compiling afresh", path)
-                path.unlink(missing_ok=True)
-                clear_compile_cache(folder)  # its libraries may be what broke
+                self._drop_precompiled(path, folder)
+        lower_thread_priority()
         hits = compile_cache_hits()
         try:
             compiled = self._compile_and_warm_up()
@@ -144,24 +155,76 @@ class WarmUp:
         write_precompiled(path, compiled.serialized)
         return compiled
 
+    def _precompiled_path(self, folder: Path, options: dict) -> Path:
+        """Keyed by what the trace reads: the model and its attention backend (the engine's options as they hold
+        them: the KV caches' dtype and capacity, the backend, the quantized layers), the layers that run on tiles
+        (the plan: the tiles need not exist yet) and inductor's options."""
+        model, attention, tiled = self._structure
+        if (now := self.tile_switch.tiled_names()) != tiled:  # tiling a layer failed
+            self._structure = model, attention, tiled = model, attention, now
+        return precompiled_path(folder, precompiled_key(model, attention, options, tiled))
+
     def _compile_and_warm_up(self) -> CompiledDecode:
         scratch = (self.model, self.attention, self.scratch_block, self.block_size)
         compiled = compile_graphs(*scratch)
         warm_up_graphs(compiled, *scratch)
         return compiled
 
-    def _load_graphs(self, serialized: dict[str, bytes], path: Path) -> CompiledDecode:
+    def _load_graphs(self, path: Path, folder: Path) -> CompiledDecode | None:
+        """The graphs precompiled in `path`, unless there are none or they cannot be used (then removed)."""
+        if (serialized := read_precompiled(path)) is None:
+            return None
         start = time.perf_counter()
-        compiled = load_graphs(serialized)
-        loaded = time.perf_counter()
-        warm_up_graphs(compiled, self.model, self.attention, self.scratch_block, self.block_size)
-        logger.info("decode graphs loaded from %s in %.1f s (no tracing), first calls %.1f s", path.name,
-                    loaded - start, time.perf_counter() - loaded)
+        try:
+            compiled = load_graphs(serialized)
+        except Exception:
+            self._drop_precompiled(path, folder)
+            return None
+        logger.info("decode graphs loaded from %s in %.1f s (no tracing)", path.name, time.perf_counter() - start)
         return compiled
+
+    def _warm_up_loaded(self, compiled: CompiledDecode, path: Path) -> CompiledDecode:
+        start = time.perf_counter()
+        warm_up_graphs(compiled, self.model, self.attention, self.scratch_block, self.block_size)
+        logger.info("precompiled decode graphs of %s: first calls %.1f s", path.name, time.perf_counter() - start)
+        return compiled
+
+    @staticmethod
+    def _drop_precompiled(path: Path, folder: Path) -> None:
+        logger.exception("the precompiled decode step %s cannot be used; compiling afresh", path)
+        path.unlink(missing_ok=True)
+        clear_compile_cache(folder)  # its libraries may be what broke
 
 
 class WarmUpStopped(BaseException):
     """Raised in a warm-up thread at the interpreter's exit (a BaseException: no `except Exception` swallows it)."""
+
+
+# the thread importing inductor while the model loads (`import_compiler_early`), which a warm-up waits for
+COMPILER_IMPORT: threading.Thread | None = None
+
+
+def import_compiler_early() -> None:
+    """Start importing inductor (and running its ISA probe, and hashing inferno's code for the precompiled key) on a
+    thread of its own, at the normal priority, once per process: called before the model loads, while a core is
+    mostly idle. Done by the niced warm-up thread beside a busy serving thread it took 20-70 s (SmolLM2, 2 cores),
+    most of a second start's wait for its compiled step."""
+    global COMPILER_IMPORT
+    if COMPILER_IMPORT is None:
+        COMPILER_IMPORT = threading.Thread(target=import_compiler_quietly, name="inferno-import-compiler",
+                                           daemon=True)
+        COMPILER_IMPORT.start()
+
+
+def import_compiler_quietly() -> None:
+    try:
+        use_compile_cache()  # before the ISA probe, which builds into inductor's cache folder
+        import_compiler()
+        code_digest()  # the precompiled key's first part: inferno's code read and hashed
+    except WarmUpStopped:  # the interpreter is exiting
+        pass
+    except Exception:  # the warm-up imports it again, and reports what fails
+        logger.debug("importing inductor ahead of the warm-up failed", exc_info=True)
 
 
 # Warm-ups whose thread may still run. A daemon thread still inside a C++ call (a torch op, the compiler) as Python
@@ -173,12 +236,23 @@ RUNNING: "weakref.WeakSet[WarmUp]" = weakref.WeakSet()
 
 @atexit.register
 def stop_warm_ups() -> None:
+    if COMPILER_IMPORT is not None:
+        stop_thread(COMPILER_IMPORT)
     for warm_up in list(RUNNING):
         warm_up.stop()
 
 
+def stop_thread(thread: threading.Thread) -> None:
+    """End a warm-up's thread where it is: raises WarmUpStopped in it, which takes effect at its next Python
+    instruction (a tile, a traced op, a huge-page chunk, a module imported)."""
+    if thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(WarmUpStopped))
+        thread.join(WARM_UP_STOP_WAIT)
+
+
 def lower_thread_priority() -> None:
-    """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own."""
+    """Nice the calling thread (and the processes it starts) on Linux, where a thread has a priority of its own (for
+    good: without privileges it cannot be raised again)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WARM_UP_NICENESS)
     except (AttributeError, OSError):

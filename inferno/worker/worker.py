@@ -19,6 +19,7 @@ from inferno.worker.spec_decode.drafting_request import DraftingRequest
 from inferno.worker.spec_decode.eagle import EagleProposer, head_kv_bytes_per_block, load_eagle_head
 from inferno.worker.spec_decode.medusa import MedusaProposer, load_medusa_heads
 from inferno.worker.spec_decode.ngram import NgramProposer
+from inferno.worker.warm_up import import_compiler_early
 
 logger = logging.getLogger("inferno")
 
@@ -69,6 +70,9 @@ class Worker:
         if self.device.type == "cuda" and quantization == "auto":
             # the int4/int8 kernels are the CPU's: on a GPU a GGUF file's quantized blocks become the model dtype
             quantization = None
+        if self.device.type == "cpu" and not config.enforce_eager and parallel.world_size == 1 and \
+                config.runner != "pooling":
+            import_compiler_early()  # the warm-up will compile the decode step (or load it precompiled)
         loaded = load_model(config.model, config.torch_dtype, parallel, quantization, config.quantization_group_size,
                             config.calibration)
         self.model_path = loaded.path

@@ -22,6 +22,9 @@ class QuantizedLinear(nn.Module):
     weight_format: ClassVar[str]
     tile_rows: ClassVar[int] = 0  # weight rows per tile; 0: the format has no tiles
     unread_when_tiled: ClassVar[tuple[str, ...]] = ("weight",)  # the buffers the tiles replace in the forward
+    # made by the warm-up after loading, their shapes following from the weight's: the compile cache's key names the
+    # layers that will have them instead (worker/compile_cache.py), so it can be made before they exist
+    warm_up_buffers: ClassVar[tuple[str, ...]] = ("tiles",)
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, native: bool,
                  padded_in_features: int | None = None):
