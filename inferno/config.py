@@ -234,7 +234,9 @@ class EngineConfig:
     # CUDA: the fraction of the GPU's memory the engine may use (weights, activations, KV cache), as in vLLM
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
-    max_num_batched_tokens: int = 2048
+    # None: 2048, or 8192 for runner "pooling", whose steps are all prompts (no decode waits behind a long step):
+    # fewer, larger steps open fewer parallel regions per text
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     # None: on for runner "generate", off for "pooling": an embedding prompt's K/V is then never written (its own
     # attention reads it as computed), which pays more than the rare hit of texts sharing a 16-token prefix
@@ -278,6 +280,8 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = self.runner != "pooling"
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if self.runner == "pooling" else 2048
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "auto":
