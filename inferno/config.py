@@ -268,9 +268,13 @@ class EngineConfig:
     # CUDA: the fraction of the GPU's memory the engine may use (weights, activations, KV cache), as in vLLM
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
-    max_num_batched_tokens: int = 2048
+    # None: 2048, or 8192 for runner "pooling", whose steps are all prompts (no decode waits behind a long step):
+    # fewer, larger steps open fewer parallel regions per text
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
-    enable_prefix_caching: bool = True
+    # None: on for runner "generate", off for "pooling": an embedding prompt's K/V is then never written (its own
+    # attention reads it as computed), which pays more than the rare hit of texts sharing a 16-token prefix
+    enable_prefix_caching: bool | None = None
     # decode-only steps run a torch.compile'd forward (fused elementwise ops, one call per step instead of one per
     # op); True keeps every step in eager PyTorch. Default: the INFERNO_ENFORCE_EAGER environment variable ("1").
     enforce_eager: bool = field(default_factory=lambda: os.environ.get("INFERNO_ENFORCE_EAGER") == "1")
@@ -308,6 +312,10 @@ class EngineConfig:
                              f"{PER_CHANNEL}: per output channel, int8 only), got {self.quantization_group_size}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.runner != "pooling"
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if self.runner == "pooling" else 2048
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "auto":

@@ -92,8 +92,9 @@ def hf_last_token_states(folder: Path, prompts: list[list[int]]) -> torch.Tensor
     return torch.stack([model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts])
 
 
-def test_generation_model_embeds_its_last_token_and_mixes_with_generation(qwen3_folder):
-    llm = LLM(model=str(qwen3_folder), **ENGINE)
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])  # False: embeddings write no K/V beside generation's
+def test_generation_model_embeds_its_last_token_and_mixes_with_generation(qwen3_folder, enable_prefix_caching):
+    llm = LLM(model=str(qwen3_folder), enable_prefix_caching=enable_prefix_caching, **ENGINE)
     prompts = [list(t.encode()) for t in TEXTS]
     expected = F.normalize(hf_last_token_states(qwen3_folder, prompts), dim=-1)
     alone = vectors(llm.embed([{"prompt_token_ids": p} for p in prompts]))
@@ -148,6 +149,42 @@ def test_pooling_runner_generates_and_compiles_nothing(qwen3_folder):
     assert len(full[0].outputs.embedding) == 64
     assert_all_blocks_free(llm.llm_engine)
     assert not llm.wait_for_warm_up()  # True when decode steps run compiled
+
+
+def kv_written(llm: LLM) -> bool:
+    """Whether any K/V reached the cache (it starts zeroed)."""
+    return any(cache.any() for cache in llm.llm_engine.model_runner.kv_caches())
+
+
+@pytest.mark.parametrize("attention_backend", ["cpu_kernel", "torch"])
+def test_pooling_runner_writes_kv_only_where_it_is_read(qwen3_folder, attention_backend):
+    """Prompts computed whole write no K/V (the pooling runner keeps no prefix cache by default); a prompt chunked
+    over steps writes what its next chunk reads and embeds the same; with prefix caching asked for, K/V is written
+    and a repeated prompt hits it."""
+    prompts = [{"prompt_token_ids": list(t.encode())} for t in TEXTS]
+    expected = F.normalize(hf_last_token_states(qwen3_folder, [p["prompt_token_ids"] for p in prompts]), dim=-1)
+    engine = {**ENGINE, "attention_backend": attention_backend}
+    whole = LLM(model=str(qwen3_folder), runner="pooling", **{**engine, "max_num_batched_tokens": 256})
+    assert not whole.llm_engine.config.enable_prefix_caching
+    unchunked = vectors(whole.embed(prompts))  # every prompt in one step
+    assert cosines(unchunked, expected).min() >= MIN_COSINE
+    assert not kv_written(whole)
+    assert_all_blocks_free(whole.llm_engine)
+
+    chunked = LLM(model=str(qwen3_folder), runner="pooling", **engine)  # 24 tokens a step: long prompts in chunks
+    assert cosines(vectors(chunked.embed(prompts)), unchunked).min() >= 1 - 1e-6
+    assert kv_written(chunked)
+    assert_all_blocks_free(chunked.llm_engine)
+
+    cached = LLM(model=str(qwen3_folder), runner="pooling", enable_prefix_caching=True,
+                 **{**engine, "max_num_batched_tokens": 256})
+    assert cosines(vectors(cached.embed(prompts)), unchunked).min() >= 1 - 1e-6
+    assert kv_written(cached)
+    manager = cached.llm_engine.kv_cache_manager
+    hits = manager.prefix_cache_hits
+    assert cosines(vectors(cached.embed(prompts)), unchunked).min() >= 1 - 1e-6
+    assert manager.prefix_cache_hits > hits  # the long prompts' full blocks, read back
+    assert_all_blocks_free(cached.llm_engine)
 
 
 def test_gguf_embeddings_follow_the_float_model(llm, hf_model):

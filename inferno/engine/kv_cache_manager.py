@@ -41,9 +41,8 @@ class KVCacheManager:
         request does not use the prefix cache. The last token is always left to compute: it yields the logits (or an
         embedding). Prompt logprobs and embeddings pooled over more than the last token (MEAN, CLS) read the hidden
         states of positions a hit would skip: those requests compute their whole prompt."""
-        pooling = request.pooling_params
         if (not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None
-                or (pooling is not None and pooling.pooling_type != "LAST")):
+                or not self._pooling_uses_prefix_cache(request)):
             return None
         assert not request.block_ids
         blocks = []
@@ -81,8 +80,9 @@ class KVCacheManager:
         return True
 
     def cache_blocks(self, request: Request) -> None:
-        """Register the request's newly computed full blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
+        """Register the request's newly computed full blocks in the prefix cache. An embedding request that does not
+        look the cache up leaves nothing there either: the worker writes no K/V for a prompt it computes whole."""
+        if not self.enable_prefix_caching or not self._pooling_uses_prefix_cache(request):
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         if num_full <= request.num_cached_blocks:
@@ -129,13 +129,17 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         return self.block_pool.reset_prefix_cache()
 
+    @staticmethod
+    def _pooling_uses_prefix_cache(request: Request) -> bool:
+        return request.pooling_params is None or request.pooling_params.uses_prefix_cache
+
     def _drop_blocks_outside_window(self, request: Request) -> None:
         """Free the leading blocks that every later query's window has passed: the next query is at position
         num_computed_tokens, and a query at q sees keys k > q - window."""
         if self.sliding_window is None:
             return
         num_outside = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and self._pooling_uses_prefix_cache(request):
             num_outside = min(num_outside, request.num_cached_blocks)
         num_outside = min(num_outside, len(request.block_ids))
         if num_outside > request.num_dropped_blocks:

@@ -67,7 +67,8 @@ ENGINE_FLAGS: dict[str, dict] = {
     "tensor_parallel_size": dict(short="-tp", help="ranks that split every layer (Megatron-style tensor parallelism)"),
     "pipeline_parallel_size": dict(short="-pp", help="ranks that each run a contiguous stage of the layers"),
     "distributed_timeout": dict(help="seconds a rank waits inside a step for the others before the engine fails"),
-    "enable_prefix_caching": dict(help="reuse the KV cache of prompts' common prefixes"),
+    "enable_prefix_caching": dict(help="reuse the KV cache of prompts' common prefixes (default: on, but off for "
+                                       "--runner pooling)"),
     "enforce_eager": dict(help="run every step in eager PyTorch (default for `generate`, whose one request ends "
                                "before a compile would; otherwise decode steps switch to a torch.compile'd forward "
                                "once a background thread has built it, serving eagerly until then)"),

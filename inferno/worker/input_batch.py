@@ -10,7 +10,7 @@ from inferno.core.scheduler_output import SchedulerOutput
 from inferno.core.spec_tree import SpecTree
 import torch
 
-from inferno.worker.pooler import PoolingChunk, pooled_positions
+from inferno.worker.pooler import PoolingChunk, kv_read_later, pooled_positions
 from inferno.worker.request_state import CachedRequestState
 
 MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks over cached context up to this long attend as decode rows
@@ -24,6 +24,7 @@ class TokenChunk:
     block_ids: list[int]
     lora_int_id: int = 0  # the LoRA adapter its tokens run with (0: none)
     tree: SpecTree | None = None  # its last tokens are a tree of drafts under its last real token
+    writes_kv: bool = True  # False: a prompt computed whole whose K/V no later step reads (an embedding's)
 
     @property
     def as_decode_rows(self) -> bool:
@@ -46,13 +47,19 @@ class TokenChunk:
                   for node in range(2, self.tree.num_nodes)}
         return positions, {i: keys for i, keys in hidden.items() if keys}
 
+    @property
+    def batch_order(self) -> tuple[bool, bool, int]:
+        """Where the chunk goes in a flat batch: decode rows first, shortest context first (so each attention group
+        pads little), then prefill chunks, those that write no K/V last (the written rows are a prefix)."""
+        return not self.as_decode_rows, not self.writes_kv, self.start
+
 
 @dataclass(slots=True)
 class MicroBatch:
     """One flat batch: decode tokens first (shortest context first), then prefill chunks."""
     input_ids: list[int]
     positions: list[int]
-    slot_mapping: list[int]  # where each token's K/V goes
+    slot_mapping: list[int]  # where each token's K/V goes: the first len(slot_mapping) tokens, the others write none
     decodes: list[tuple[int, list[int]]]  # per decode token: (sequence length, block ids it reads)
     prefills: list[tuple[int, int, list[int]]]  # per prefill chunk: (tokens, tokens already cached, block ids)
     logit_rows: list[int]  # tokens whose final hidden states become logits (sampling, prompt logprobs)
@@ -102,11 +109,13 @@ class StepPlan:
 
 
 def plan_step(sched: SchedulerOutput, states: dict[str, CachedRequestState], block_size: int,
-              num_micro_batches: int = 1) -> StepPlan:
+              num_micro_batches: int = 1, skip_unread_kv: bool = False, prefix_caching: bool = True) -> StepPlan:
     """Split the scheduled requests into up to `num_micro_batches` batches of similar token counts and lay each
     out flat. A request scheduled alone (without drafts) is cut into consecutive pieces instead, one per
     micro-batch: every stage runs the micro-batches in order, so each piece finds the K/V of the pieces before it in
-    the cache. A request's draft tokens (speculative decoding) follow its last token."""
+    the cache. A request's draft tokens (speculative decoding) follow its last token. `skip_unread_kv` (an attention
+    backend whose prefill reads a chunk's own K/V as computed): an embedding prompt computed whole writes no K/V
+    unless the prefix cache keeps it (`prefix_caching`: the engine's)."""
     scheduled = [(states[rid], states[rid].num_computed_tokens, n) for rid, n in sched.num_scheduled_tokens.items()]
     if len(scheduled) == 1 and not sched.spec_token_ids:
         req, c, n = scheduled[0]
@@ -124,8 +133,11 @@ def plan_step(sched: SchedulerOutput, states: dict[str, CachedRequestState], blo
         chunks = [(req, TokenChunk((req.token_ids + sched.spec_token_ids.get(req.request_id, []))[c:c + n], c,
                                    req.block_ids, req.lora_int_id, _tree(sched, req.request_id)))
                   for req, c, n in group]
-        # decode rows first, shortest first (so each attention group pads little), then prefill chunks
-        chunks.sort(key=lambda rc: (not rc[1].as_decode_rows, rc[1].start))
+        for req, chunk in chunks:
+            if skip_unread_kv and req.pooling_params is not None and not chunk.as_decode_rows:
+                chunk.writes_kv = kv_read_later(req.pooling_params, chunk.start, len(chunk.token_ids),
+                                                req.num_prompt_tokens, prefix_caching)
+        chunks.sort(key=lambda rc: rc[1].batch_order)
         plan.step.micro_batches.append(_lay_out(chunks, sched, block_size, plan))
     return plan
 
@@ -139,7 +151,7 @@ def lay_out_chunks(chunks: list[TokenChunk], block_size: int) -> MicroBatch:
     """One flat batch of `chunks` whose logit rows are the last token of each chunk, in the order given."""
     mb = MicroBatch([], [], [], [], [], [])
     starts = [0] * len(chunks)
-    for i in sorted(range(len(chunks)), key=lambda i: (not chunks[i].as_decode_rows, chunks[i].start)):
+    for i in sorted(range(len(chunks)), key=lambda i: chunks[i].batch_order):
         starts[i] = _append(mb, chunks[i], block_size)
     mb.logit_rows = [start + len(chunk.token_ids) - 1 for chunk, start in zip(chunks, starts)]
     return mb
@@ -155,7 +167,9 @@ def _append(mb: MicroBatch, chunk: TokenChunk, block_size: int) -> int:
     mb.tree_hidden_keys.update({start + i: [c + key for key in keys] for i, keys in hidden_keys.items()})
     mb.lora_ids.extend([chunk.lora_int_id] * n)
     table = chunk.block_ids[:cdiv(c + n, block_size)]
-    mb.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+    if chunk.writes_kv:
+        assert len(mb.slot_mapping) == start, "the rows that write K/V must come first"
+        mb.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
     if chunk.as_decode_rows:
         assert not mb.prefills, "decodes must come before prefill chunks"
         mb.decodes.extend((p + 1, table[:cdiv(p + 1, block_size)]) for p in pos)

@@ -44,6 +44,7 @@ class ModelRunner:
         self.parallel = parallel
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
+        self.prefix_caching = engine_config.enable_prefix_caching  # the engine's: it keeps blocks the runner writes
         quantized_kv = engine_config.quantized_kv_cache
         self.dtype = engine_config.torch_dtype
         self.sampler = Sampler()
@@ -132,7 +133,8 @@ class ModelRunner:
         micro-batch per pipeline stage), the forward pass; rank 0 samples and returns the output."""
         with self.tile_switch.step():
             update_states(self.requests, sched, self.device)
-            plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size)
+            plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size,
+                             self.attention.prefill_reads_new_kv, self.prefix_caching)
             logits, pooling_hidden = self.forward_step(plan.step)
             output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
             if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)

@@ -21,6 +21,15 @@ def pooled_positions(params: PoolingParams, start: int, num_tokens: int, num_pro
     return range(end - 1, end) if end == num_prompt_tokens else range(0)
 
 
+def kv_read_later(params: PoolingParams, start: int, num_tokens: int, num_prompt_tokens: int,
+                  prefix_caching: bool) -> bool:
+    """Whether a later step reads the K/V of a pooling request's chunk [start, start + num_tokens): the rest of its
+    prompt, or later prompts through the prefix cache (which keeps last-token pooling's blocks when it is on, the
+    engine's `KVCacheManager.cache_blocks`). A prompt computed whole in one step is otherwise read by no one."""
+    whole_prompt = start == 0 and num_tokens == num_prompt_tokens
+    return not whole_prompt or (prefix_caching and params.uses_prefix_cache)
+
+
 @dataclass(slots=True)
 class PoolingChunk:
     """A pooling request's chunk in a step."""

@@ -12,6 +12,9 @@ class AttentionBackend(ABC):
     # which fast decode step the runner may build over it: a torch.compile'd forward (CPU), CUDA graphs (GPU)
     compiles_decode_step: ClassVar[bool] = False
     captures_decode_graphs: ClassVar[bool] = False
+    # whether a prefill chunk with nothing cached before it attends to its own K/V as computed, not through the
+    # cache: then the planner may leave out the K/V writes no later step reads (`MicroBatch.slot_mapping`)
+    prefill_reads_new_kv: ClassVar[bool] = False
 
     @abstractmethod
     def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],
@@ -26,4 +29,5 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
-        """Writes the step's new K/V into the layer's cache and attends: q [T, H, D] -> [T, H * D]."""
+        """Writes the step's new K/V into the layer's cache (rows with a slot: the first len(slot_mapping)) and
+        attends: q [T, H, D] -> [T, H * D]."""

@@ -14,6 +14,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     name = "cpu_kernel"
     compiles_decode_step = True  # its kernels take every batch's ragged rows in one call: one graph for all sizes
     decode_group_size = None  # one group: the kernel takes ragged sequences as they are
+    prefill_reads_new_kv = True  # a chunk's own K/V comes from k, v; only earlier context from the cache
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -38,6 +38,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Decodes gathered in groups, prefills through SDPA."""
     name = "torch"
     decode_group_size = DECODE_GROUP_SIZE
+    prefill_reads_new_kv = True  # a chunk without cached context runs SDPA on its own k, v
 
     def __init__(self, block_size: int, num_kv_heads: int, num_cache_blocks: int, sliding_window: int | None,
                  device: torch.device = torch.device("cpu")):
@@ -131,7 +132,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def write(layer: Attention, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """The new K/V rows into the layer's cache, in its dtype (float16 under a float32 model on the CPU)."""
+        """The new K/V rows into the layer's cache, in its dtype (float16 under a float32 model on the CPU): the
+        first len(slot_mapping) rows, those someone reads later (all of them in a decode step)."""
+        num_written = slot_mapping.shape[0]
+        if not torch.compiler.is_compiling() and num_written < k.shape[0]:  # (a compiled decode step writes all)
+            if not num_written:
+                return
+            k, v = k[:num_written], v[:num_written]
         if layer.k_scale is not None:
             write_kv(layer.k_cache, layer.k_scale, slot_mapping, k)
             write_kv(layer.v_cache, layer.v_scale, slot_mapping, v)
