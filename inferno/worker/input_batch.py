@@ -12,7 +12,7 @@ import torch
 from inferno.worker.pooler import PoolingChunk, pooled_positions
 from inferno.worker.request_state import CachedRequestState
 
-MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks over cached context up to this long attend as decode rows
+MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks after the prompt up to this long attend as decode rows
 
 
 @dataclass(slots=True)
@@ -22,13 +22,16 @@ class TokenChunk:
     start: int
     block_ids: list[int]
     lora_int_id: int = 0  # the LoRA adapter its tokens run with (0: none)
+    prompt_end: int = 0  # the sequence's prompt tokens (positions below it); 0: not told
 
     @property
     def as_decode_rows(self) -> bool:
-        """A decode, or a few tokens over cached context (a decode with drafts to verify, the tail of a chunked
-        prefill or a prefix-cache hit): one decode row per token, each attending up to its own position."""
+        """A decode, or a few tokens after the prompt over cached context (a decode with drafts to verify): one
+        decode row per token, each attending up to its own position. A prompt's tokens always run the prefill
+        kernel, which computes other bits than the decode kernel: were the tail of a chunked prompt or of a
+        prefix-cache hit decode rows, a prompt's output would depend on how the batch chunked it."""
         n = len(self.token_ids)
-        return n == 1 or (self.start > 0 and n <= MAX_DECODE_ROWS_PER_CHUNK)
+        return self.start >= self.prompt_end and (n == 1 or (self.start > 0 and n <= MAX_DECODE_ROWS_PER_CHUNK))
 
 
 @dataclass(slots=True)
@@ -103,7 +106,8 @@ def plan_step(sched: SchedulerOutput, states: dict[str, CachedRequestState], blo
     plan = StepPlan(StepInput([], sched.block_copies), [], [], [])
     for group in groups:
         chunks = [(req, TokenChunk((req.token_ids + sched.spec_token_ids.get(req.request_id, []))[c:c + n], c,
-                                   req.block_ids, req.lora_int_id)) for req, c, n in group]
+                                   req.block_ids, req.lora_int_id, len(req.prompt_token_ids)))
+                  for req, c, n in group]
         # decode rows first, shortest first (so each attention group pads little), then prefill chunks
         chunks.sort(key=lambda rc: (not rc[1].as_decode_rows, rc[1].start))
         plan.step.micro_batches.append(_lay_out(chunks, sched, block_size, plan))
