@@ -67,6 +67,24 @@ def test_float32_queries_over_a_float16_cache(path, lens):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [2, 8])
+def test_a_sequence_decodes_the_same_bits_alone_or_batched(threads):
+    """How the kernel splits a sequence's keys over threads depends on its own length only: alone (split to keep every
+    thread busy) and beside others (when the batch alone would keep them busy) it gives the same bits."""
+    attn, q, tables, seq_lens = random_batch(torch.float16, [5, 700, 300, 17, 2000])
+    q = q.float()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = decode("kernel", attn, q, tables, seq_lens)
+        for b in range(len(seq_lens)):
+            alone = decode("kernel", attn, q[b:b + 1], tables[b:b + 1], seq_lens[b:b + 1])
+            assert torch.equal(alone[0], batched[b]), f"sequence {b} of {seq_lens[b]} tokens"
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernels
 @EACH_ISA_LEVEL
 def test_each_isa_level_of_the_decode_kernel_matches_dense(tmp_path, level):
     """The 16-lane path (AVX-512), the 8-lane one (AVX2 + FMA + F16C) and the plain loops: float32 queries over

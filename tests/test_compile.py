@@ -112,7 +112,7 @@ def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monke
     compile_decode_step = WarmUp._compile_decode_step
     monkeypatch.setattr(WarmUp, "_compile_decode_step",
                         lambda self: (release.wait(), compile_decode_step(self)))
-    # both engines tile between their first step and their second (not before the first, were either idle a while)
+    # both engines make their tiles in their first step (not in the background, were either idle a while)
     monkeypatch.setattr(warm_up, "WARM_UP_DELAY", 600)
     # int4 weights: their kernels quantize each layer's input to int8 (as the default model's do)
     eager = LLM(model, kv_cache_memory=16 << 20, dtype="float32", quantization="int4", enforce_eager=True)

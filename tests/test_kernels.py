@@ -201,6 +201,21 @@ def test_tiled_int4_linear_computes_the_kernels_sums_at_every_batch_size(rows):
         torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
 
 
+@needs_kernels
+@pytest.mark.parametrize("k", [576, 9216])  # 9216: past L1 for a whole row block of x, so the kernel chunks K
+def test_tiles_give_a_row_the_same_bits_in_any_batch(k):
+    """A row's output does not depend on the other rows beside it, nor on their number (which decides how the rows
+    are blocked, and nothing else)."""
+    gen = torch.Generator().manual_seed(k)
+    layer = Int4Linear(quantize_int4(torch.randn(32, k, generator=gen), 32), None)
+    layer.tile()
+    x = torch.randn(11, k, generator=gen)
+    batched = layer(x)
+    for m in (1, 2, 3, 5, 9):
+        assert torch.equal(layer(x[:m]), batched[:m]), f"{m} rows"
+    assert all(torch.equal(layer(x[r:r + 1])[0], batched[r]) for r in range(len(x)))
+
+
 def test_an_int4_weight_of_rows_not_a_multiple_of_16_is_not_tiled():
     layer = Int4Linear(quantize_int4(torch.randn(200, 64), 32), None)
     layer.tile()

@@ -67,13 +67,15 @@ CASES = [  # heads, kv heads, head dim, chunk, cached context before it, window
 @pytest.mark.parametrize("dtype, cache_dtype, tol", [(torch.float32, None, 2e-6), (torch.float32, torch.float16, 2e-6),
                                                      (torch.bfloat16, None, 2e-2), (torch.float16, None, 2e-3)])
 def test_kernel_matches_dense(heads, kv_heads, head_dim, n, num_computed, window, dtype, cache_dtype, tol):
-    """float32 over a float16 cache: the context as cached, the chunk's own K/V exact (2e-6 fails on the cache's)."""
+    """float32 over a float16 cache: the chunk's own K/V as cached too, as the context (so a prompt computes the same
+    however it is chunked)."""
     attn, q, k, v, block_ids = random_chunk(heads, kv_heads, head_dim, n, num_computed, dtype, cache_dtype, window)
     # v a view of a fused QKV buffer as the decoder passes it; k a tensor of its own (as after Qwen3's k norm)
     qkv = torch.cat([q, k, v], dim=1)
     q, _, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     out = prefill(CpuKernelAttentionBackend, attn, q, k, v, num_computed, block_ids)
     assert out.dtype == dtype and out.shape == q.shape
+    k, v = k.to(attn.k_cache.dtype), v.to(attn.v_cache.dtype)
     assert (out.float() - dense_reference(attn, q, k, v, num_computed, block_ids)).abs().max().item() < tol
 
 
@@ -123,7 +125,28 @@ def test_packed_chunks_match_each_alone(window):
     packed = [torch.cat([chunk[i] for chunk in chunks]) for i in range(3)]
     out = backend.prefill(attn, *packed, meta.prefills[0])
     for (q, k, v, num_computed, block_ids), rows in zip(chunks, out.split([n for n, _ in shapes])):
-        assert (rows - dense_reference(attn, q, k, v, num_computed, block_ids)).abs().max().item() < 2e-6
+        reference = dense_reference(attn, q, k.half(), v.half(), num_computed, block_ids)  # own K/V as cached
+        assert (rows - reference).abs().max().item() < 2e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_a_prompt_chunked_computes_the_same_bits_as_whole(cache_dtype):
+    """A prompt's attention does not depend on how a step's token budget chunks it (which depends on the batch):
+    every chunk reads its own K/V as the cache holds them, as the next chunks read them."""
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, n = 9, 3, 64, 150
+    attn = Attention(heads, kv_heads, head_dim)
+    attn.k_cache = torch.zeros(kv_heads, NUM_BLOCKS, BLOCK, head_dim, dtype=cache_dtype)
+    attn.v_cache = torch.zeros(kv_heads, NUM_BLOCKS, BLOCK, head_dim, dtype=cache_dtype)
+    block_ids = torch.randperm(NUM_BLOCKS)[:-(-n // BLOCK)].tolist()
+    q, k, v = torch.randn(n, heads, head_dim), torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)
+    TorchAttentionBackend.write(attn, k, v, torch.tensor([block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]))
+    whole = prefill(CpuKernelAttentionBackend, attn, q, k, v, 0, block_ids)
+    bounds = [0, 37, 38, 100, n]  # chunks ending mid-block, of one token, of several key tiles
+    chunked = torch.cat([prefill(CpuKernelAttentionBackend, attn, q[a:b], k[a:b], v[a:b], a, block_ids)
+                         for a, b in zip(bounds, bounds[1:])])
+    assert torch.equal(chunked, whole)
 
 
 @needs_kernels

@@ -4,7 +4,8 @@
 //
 // Work items are (sequence, kv head, split): a long sequence is cut into splits of whole blocks so that one
 // request still keeps every thread busy (flash-decoding). Each split keeps its own max, softmax denominator and
-// unnormalised output; the splits are merged at the end, rescaled to the common max.
+// unnormalised output; the splits are merged at the end, rescaled to the common max. How a sequence is split
+// depends on its length alone (and the thread count), so its output does not depend on the batch it is in.
 //
 // Within a split everything is one register wide (GCC vector extensions of the machine's width: 16 floats with
 // AVX-512, 8 with AVX2 — a vector wider than the registers compiles into stack traffic): each K/V row comes from
@@ -172,6 +173,34 @@ void attend_split(const float* query, const T* k_cache, const T* v_cache, const 
   weigh_all_values(v_cache, scratch.rows.data(), len, scores, padded, out.acc.data(), group, head_dim);
 }
 
+struct Item {  // one work item: keys [first, last) of sequence b for kv head h, split s of its `splits`
+  int64_t b, h, s, splits, first, last;
+};
+
+// Every sequence's work items. A sequence's splits depend on its own length only, never on the rest of the batch, so
+// its output is the same bits alone or batched: as many as would keep every thread busy were it alone, each a whole
+// number of blocks and at least kMinSplitTokens long.
+inline std::vector<Item> work_items(const int64_t* seq_lens, int64_t batch, int64_t num_kv_heads, int64_t block_size,
+                                    int64_t window) {
+  const int64_t wanted = (2 * inferno::num_threads() + num_kv_heads - 1) / num_kv_heads;
+  const int64_t min_blocks = (kMinSplitTokens + block_size - 1) / block_size;
+  std::vector<Item> items;
+  items.reserve(batch * num_kv_heads);
+  for (int64_t b = 0; b < batch; ++b) {
+    // keys [begin, seq_len): all of them, or the last `window` (sliding-window layers)
+    const int64_t begin = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+    const int64_t blocks = (seq_lens[b] - begin + block_size - 1) / block_size;
+    const int64_t splits = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, blocks / min_blocks));
+    const int64_t split_tokens = (blocks + splits - 1) / splits * block_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t first = std::min(begin + s * split_tokens, seq_lens[b]);
+        items.push_back({b, h, s, splits, first, std::min(first + split_tokens, seq_lens[b])});
+      }
+  }
+  return items;
+}
+
 // T: the query's and the output's dtype; C: the caches' (float16 caches under a float32 model, as llama.cpp keeps
 // them, read through F16C)
 template <typename T, typename C>
@@ -180,66 +209,62 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t
                    int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
                    int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  // a sequence attends keys [begin_of(b), seq_len): all of them, or the last `window` (sliding-window layers)
-  const auto begin_of = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0; };
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, seq_lens[b] - begin_of(b));
-  // enough items for every thread, each split a whole number of blocks and at least kMinSplitTokens long
-  const int64_t wanted = (2 * inferno::num_threads() + batch * num_kv_heads - 1) / (batch * num_kv_heads);
-  const int64_t min_blocks = (kMinSplitTokens + block_size - 1) / block_size;
-  const int64_t max_splits = std::max<int64_t>(1, (max_len + block_size - 1) / block_size / min_blocks);
-  const int64_t splits = std::clamp<int64_t>(wanted, 1, max_splits);
-  const int64_t split_blocks = ((max_len + block_size - 1) / block_size + splits - 1) / splits;
+  const std::vector<Item> items = work_items(seq_lens, batch, num_kv_heads, block_size, window);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const auto write = [&](const Item& item, const float* acc, const float* denom) {
+    for (int64_t g = 0; g < group; ++g) {
+      T* out_row = out + (item.b * num_heads + item.h * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) out_row[d] = static_cast<T>(acc[g * head_dim + d] / denom[g]);
+    }
+  };
 
-  // With one split per sequence the partial result is final: normalised and written out at once.
-  std::vector<Partial> partials(splits > 1 ? batch * num_kv_heads * splits : 0);
-  inferno::parallel_for(0, batch * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+  // A sequence of one split is final at once: normalised and written out. The others' splits are merged below.
+  const bool any_split = std::any_of(items.begin(), items.end(), [](const Item& item) { return item.splits > 1; });
+  std::vector<Partial> partials(any_split ? num_items : 0);
+  inferno::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim);
     Scratch scratch;
     Partial whole;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (num_kv_heads * splits), h = item / splits % num_kv_heads, s = item % splits;
-      const int64_t first = std::min(begin_of(b) + s * split_blocks * block_size, seq_lens[b]);
-      const int64_t last = std::min(first + split_blocks * block_size, seq_lens[b]);
-      Partial& part = splits > 1 ? partials[item] : whole;
-      if (first == last) {  // a short sequence in a batch split for a longer one
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = items[i];
+      Partial& part = item.splits > 1 ? partials[i] : whole;
+      if (item.first == item.last) {  // a split past the end of a sequence shorter than its splits
         part.max.assign(group, kNegInf);
         continue;
       }
-      const T* q_row = q + (b * num_heads + h * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) query[i] = static_cast<float>(q_row[i]) * scale;
-      attend_split<C>(query.data(), k_cache, v_cache, block_tables + b * table_width, h, first, last, group, num_blocks,
-             block_size, head_dim, scratch, part);
-      if (splits == 1)
-        for (int64_t g = 0; g < group; ++g) {
-          T* out_row = out + (b * num_heads + h * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) out_row[d] = static_cast<T>(part.acc[g * head_dim + d] / part.denom[g]);
-        }
+      const T* q_row = q + (item.b * num_heads + item.h * group) * head_dim;
+      for (int64_t x = 0; x < group * head_dim; ++x) query[x] = static_cast<float>(q_row[x]) * scale;
+      attend_split<C>(query.data(), k_cache, v_cache, block_tables + item.b * table_width, item.h, item.first,
+                      item.last, group, num_blocks, block_size, head_dim, scratch, part);
+      if (item.splits == 1) write(item, part.acc.data(), part.denom.data());
     }
   });
-  if (splits == 1) return;
+  if (!any_split) return;
 
-  inferno::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-      const Partial* parts = partials.data() + item * splits;
+  // the first split of each (sequence, kv head) merges its sequence's splits, in order
+  inferno::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(group * head_dim), denom(group);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = items[i];
+      if (item.splits == 1 || item.s != 0) continue;
+      const Partial* parts = partials.data() + i;
       for (int64_t g = 0; g < group; ++g) {
         float max = kNegInf;
-        for (int64_t s = 0; s < splits; ++s) max = std::max(max, parts[s].max[g]);
-        float denom = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t s = 0; s < splits; ++s) {
+        for (int64_t s = 0; s < item.splits; ++s) max = std::max(max, parts[s].max[g]);
+        float sum = 0.f;
+        float* a_g = acc.data() + g * head_dim;
+        std::fill(a_g, a_g + head_dim, 0.f);
+        for (int64_t s = 0; s < item.splits; ++s) {
           if (parts[s].max[g] == kNegInf) continue;
           const float w = std::exp(parts[s].max[g] - max);
-          denom += w * parts[s].denom[g];
+          sum += w * parts[s].denom[g];
           const float* a = parts[s].acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * a[d];
+          for (int64_t d = 0; d < head_dim; ++d) a_g[d] += w * a[d];
         }
-        T* out_row = out + (b * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) out_row[d] = static_cast<T>(acc[d] / denom);
+        denom[g] = sum;
       }
+      write(item, acc.data(), denom.data());
     }
   });
 }

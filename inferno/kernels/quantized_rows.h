@@ -298,7 +298,8 @@ void tiles_matmul(const inferno::View& x, const inferno::View& tiles, const infe
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t supers = k / span, tile_bytes = supers * tile_block_bytes;
-  const int64_t chunk = k_chunk(std::min(m, MAX_R), k, 1, span);
+  // as for a whole row block whatever m: a row's sums then come in the same chunks, so the same bits, in any batch
+  const int64_t chunk = k_chunk(MAX_R, k, 1, span);
   inferno::parallel_for(0, n / TILE_ROWS, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = 0; panel < m; panel += ROW_PANEL)
       for (int64_t group = begin; group < end; group += TILE_GROUP)

@@ -13,7 +13,7 @@ import torch
 from inferno.worker.pooler import PoolingChunk, kv_read_later, pooled_positions
 from inferno.worker.request_state import CachedRequestState
 
-MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks over cached context up to this long attend as decode rows
+MAX_DECODE_ROWS_PER_CHUNK = 16  # chunks after the prompt up to this long attend as decode rows
 
 
 @dataclass(slots=True)
@@ -25,14 +25,18 @@ class TokenChunk:
     lora_int_id: int = 0  # the LoRA adapter its tokens run with (0: none)
     tree: SpecTree | None = None  # its last tokens are a tree of drafts under its last real token
     writes_kv: bool = True  # False: a prompt computed whole whose K/V no later step reads (an embedding's)
+    prompt_end: int = 0  # the sequence's prompt tokens (positions below it); 0: not told
 
     @property
     def as_decode_rows(self) -> bool:
-        """A decode, or a few tokens over cached context (a decode with drafts to verify, the tail of a chunked
-        prefill or a prefix-cache hit): one decode row per token, each attending up to its own position (a tree's
-        nodes: up to their own slot, but for the other branches')."""
+        """A decode, or a few tokens after the prompt over cached context (a decode with drafts to verify, a tree of
+        them): one decode row per token, each attending up to its own position (a tree's nodes: up to their own slot,
+        but for the other branches'). A prompt's tokens always run the prefill kernel, which computes other bits than
+        the decode kernel: were the tail of a chunked prompt or of a prefix-cache hit decode rows, a prompt's output
+        would depend on how the batch chunked it."""
         n = len(self.token_ids)
-        return n == 1 or self.tree is not None or (self.start > 0 and n <= MAX_DECODE_ROWS_PER_CHUNK)
+        return self.tree is not None or (self.start >= self.prompt_end
+                                         and (n == 1 or (self.start > 0 and n <= MAX_DECODE_ROWS_PER_CHUNK)))
 
     def positions_and_hidden_keys(self) -> tuple[list[int], dict[int, list[int]]]:
         """Each token's position (a tree node's: its root's plus its depth) and, per token of a tree, the earlier
@@ -131,7 +135,8 @@ def plan_step(sched: SchedulerOutput, states: dict[str, CachedRequestState], blo
     plan = StepPlan(StepInput([], sched.block_copies), [], [], [])
     for group in groups:
         chunks = [(req, TokenChunk((req.token_ids + sched.spec_token_ids.get(req.request_id, []))[c:c + n], c,
-                                   req.block_ids, req.lora_int_id, _tree(sched, req.request_id)))
+                                   req.block_ids, req.lora_int_id, _tree(sched, req.request_id),
+                                   prompt_end=req.num_prompt_tokens))
                   for req, c, n in group]
         for req, chunk in chunks:
             if skip_unread_kv and req.pooling_params is not None and not chunk.as_decode_rows:

@@ -1,13 +1,16 @@
-"""When a model's quantized weights switch from their stored blocks to tiles (`QuantizedLinear.tile`).
+"""When a model's quantized weights switch from their stored blocks to tiles (`QuantizedLinear.tile`): before its first
+pass, so that every pass computes on the tiles.
 
-The tiles' kernels sum the same integers, some in another order (int4's, Q8's, Q6_K's), so they can round
-differently in the last bit, which the next layer's int8 activations amplify: a switch at a moment that depends on
-timing (between two layers of a pass, or before one step in one run and after it in another) changed tokens from
-run to run. So a runner switches at one place, its `TileSwitch`, and only between two passes over its weights:
-every pass (a step, a run of flat batches, a draft model's proposal, a Medusa proposal on the target's head, a pass
-of head training) runs inside `step()`, the first one on the stored blocks and every later one on the tiles, made by
-the warm-up in the background between them or, if it has not got to them yet, at the start of the second pass. An
-engine idle for the warm-up's delay after start-up has them made before its first pass (`tile_between_steps`).
+The tiles' kernels do not compute the stored blocks' bits: they sum the same integers, some in another order or with
+another offset (int4's, Q8's, Q6_K's: a last bit, which the next layer's int8 activations amplify), and from
+`gemm_from_rows` rows the stored blocks run a dense GEMM on the dequantized weight instead. A pass on the
+stored blocks, the next on tiles, gave a request other tokens depending on whether it ran in the runner's first
+pass: on what came before it and with it in the batch. A switch half-way through a pass, at a moment that depends on
+timing, changed tokens from run to run. So a runner makes its tiles in one place, its `TileSwitch`, never during a
+pass: every pass (a step, a run of flat batches, a draft model's proposal, a Medusa proposal on the target's head, a
+pass of head training) runs inside `step()`, which makes the tiles first if nothing has made them yet. An engine idle
+for the warm-up's delay after start-up has them made in the background before its first pass
+(`tile_between_steps`), so its first request does not wait for them.
 
 Which layers get tiles is decided when the switch is made (`planned`), so the warm-up can look up the precompiled
 decode step, whose graphs read the tiles, before they exist (worker/compile_cache.py keys it by the plan)."""
@@ -38,11 +41,11 @@ class TileSwitch:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """A pass over the weights: on the stored blocks if it is the runner's first, else on the tiles (made here
-        if the warm-up has not made them yet). Passes do not nest."""
+        """A pass over the weights, on the tiles (made here if the warm-up has not made them yet). Passes do not
+        nest."""
         with self._lock:
             try:
-                if not self.tiled and self.first_step_done.is_set():
+                if not self.tiled:
                     self._tile()
                 yield
             finally:
@@ -55,8 +58,8 @@ class TileSwitch:
         return self._lock.locked()
 
     def tile_between_steps(self, idle_wait: float) -> None:
-        """The warm-up's tiling: once the first pass is over (or after `idle_wait` seconds with none), between two
-        passes."""
+        """The warm-up's tiling, between two passes: after `idle_wait` seconds with no pass (a pass before then has
+        made them)."""
         if self.tiled:
             return
         self.first_step_done.wait(idle_wait)

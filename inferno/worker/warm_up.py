@@ -1,6 +1,7 @@
 """A runner's background warm-up, which brings it to its steady-state speed without holding up the first token: the
-quantized weights regrouped into tiles (through the runner's TileSwitch), the decode step compiled (CPU), then the
-weights moved onto huge pages (CPU); docs/warm-up.md.
+quantized weights regrouped into tiles (through the runner's TileSwitch: here if no pass comes in the first second,
+else the first pass makes them), the decode step compiled (CPU), then the weights moved onto huge pages (CPU);
+docs/warm-up.md.
 
 Its life cycle: the ModelRunner makes it and `start`s it; `wait` blocks until it is over (`LLM.wait_for_warm_up`);
 `stop` ends it where it is, which the interpreter's exit does for every one still running (`stop_warm_ups`)."""
@@ -31,7 +32,7 @@ logger = logging.getLogger("inferno")
 # tracing) is not starved for long by other processes, which would stall the serving thread waiting for the GIL
 WARM_UP_NICENESS = 10
 # seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
-# GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
+# GIL, and the copy to huge pages takes memory bandwidth), then starts anyway (with the tiles, if no step came)
 WARM_UP_DELAY = 1.0
 # seconds the serving thread may wait for the GIL while the warm-up compiles (Python's default is 5 ms)
 WARM_UP_SWITCH_INTERVAL = 0.0002

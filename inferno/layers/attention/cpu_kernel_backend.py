@@ -1,6 +1,6 @@
 """The native CPU kernels (inferno/kernels/paged_attention.cpp, prefill_attention.cpp): read K/V through the block
 tables in place, sliding windows included; all decode rows in one call, all prefill chunks in another (flash
-attention over the context cached before each chunk and the chunk's own K/V as computed)."""
+attention over the context cached before each chunk and the chunk's own K/V as the cache holds them)."""
 import torch
 
 from inferno.core.kv_blocks import cdiv
@@ -82,10 +82,14 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 chunks: PackedPrefills) -> torch.Tensor:
         rows = slice(chunks.start, chunks.end)
-        q = q[rows]
+        q, k, v = q[rows], k[rows], v[rows]
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel reads a position's heads as one row
             q = q.contiguous()
-        return self.kernels.paged_prefill_attention(q, k[rows], v[rows], layer.k_cache, layer.v_cache,
+        if layer.k_cache.dtype != k.dtype:
+            # the chunk's own K/V rounded as the cache holds them (float16 under a float32 model), as later chunks
+            # and decode steps read them: a prompt's attention is then the same bits however the batch chunks it
+            k, v = k.to(layer.k_cache.dtype).to(k.dtype), v.to(layer.v_cache.dtype).to(v.dtype)
+        return self.kernels.paged_prefill_attention(q, k, v, layer.k_cache, layer.v_cache,
                                                     chunks.block_tables, chunks.query_start, chunks.seq_lens,
                                                     layer.scale, layer.sliding_window or 0)
 
