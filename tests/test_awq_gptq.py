@@ -130,7 +130,8 @@ def test_quantized_checkpoint_loads_its_integers_and_matches_hf(tmp_path, monkey
     # no int4 tiles: their kernel (int8 activations, as the packed rows' kernel) would replace the dense float32 path
     # that the greedy tokens below are compared on
     monkeypatch.setattr(tile_switch, "tile_weights", lambda model: None)
-    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=8 << 20)  # quantization "auto"
+    # quantization "auto"; a float32 cache: prefill reads its own K/V rounded to the cache's dtype
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
     model = llm.llm_engine.model_runner.model
     config = hf_model.config
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
@@ -153,6 +154,7 @@ def test_quantized_checkpoint_loads_its_integers_and_matches_hf(tmp_path, monkey
     for layer in (m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Int4Linear)):
         monkeypatch.setattr(layer, "gemm_from_rows", 1)  # the dense path: exact weights, float32
         monkeypatch.setattr(layer, "compute_dtype", torch.float32)
+        monkeypatch.setattr(layer, "tiles", None)  # every pass runs the tiles, made by the first
     assert (prefill_logits(llm.llm_engine, prompt) - ref).abs().max().item() < LOGIT_TOLERANCE
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     compared = 0
