@@ -148,8 +148,9 @@ class ModelRunner:
             raise ValueError("speculative_token_tree needs a single rank (no tensor or pipeline parallelism)")
         if self.config.sliding_window is not None:  # the window would start from a node's slot, not its position
             raise ValueError("speculative_token_tree is not supported for sliding-window models")
-        if self.attention.name == "triton":
-            raise ValueError("speculative_token_tree is not supported on the triton attention backend (GPU) yet")
+        if not self.attention.masks_tree_keys:
+            raise ValueError(f"speculative_token_tree is not supported on the {self.attention.name} attention "
+                             "backend yet")
 
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:

@@ -15,6 +15,8 @@ class AttentionBackend(ABC):
     # whether a prefill chunk with nothing cached before it attends to its own K/V as computed, not through the
     # cache: then the planner may leave out the K/V writes no later step reads (`MicroBatch.slot_mapping`)
     prefill_reads_new_kv: ClassVar[bool] = False
+    # whether decode rows may hide keys from one another (`build_metadata`'s tree_hidden_keys): draft trees
+    masks_tree_keys: ClassVar[bool] = True
 
     @abstractmethod
     def build_metadata(self, slot_mapping: list[int], decodes: list[tuple[int, list[int]]],

@@ -26,6 +26,7 @@ class TritonMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     captures_decode_graphs = True
+    masks_tree_keys = False  # its kernels have no per-query key mask
 
     def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
