@@ -60,7 +60,7 @@ class WarmUp:
         leaves them (a step can leave state on the modules or the attention backend, and a key taken after one
         missed a step taken before it)."""
         if self.compile_decode:
-            self._structure = (structure(self.model), structure(self.attention), self.tile_switch.tiled_names())
+            self._structure = structure(self.model), structure(self.attention)
         RUNNING.add(self)
         self._thread.start()
 
@@ -160,10 +160,8 @@ class WarmUp:
         """Keyed by what the trace reads: the model and its attention backend (the engine's options as they hold
         them: the KV caches' dtype and capacity, the backend, the quantized layers), the layers that run on tiles
         (the plan: the tiles need not exist yet) and inductor's options."""
-        model, attention, tiled = self._structure
-        if (now := self.tile_switch.tiled_names()) != tiled:  # tiling a layer failed
-            self._structure = model, attention, tiled = model, attention, now
-        return precompiled_path(folder, precompiled_key(model, attention, options, tiled))
+        model, attention = self._structure
+        return precompiled_path(folder, precompiled_key(model, attention, options, self.tile_switch.tiled_names()))
 
     def _compile_and_warm_up(self) -> CompiledDecode:
         scratch = (self.model, self.attention, self.scratch_block, self.block_size)
