@@ -216,6 +216,20 @@ def test_tiles_give_a_row_the_same_bits_in_any_batch(k):
     assert all(torch.equal(layer(x[r:r + 1])[0], batched[r]) for r in range(len(x)))
 
 
+@needs_kernels
+def test_int4_tiles_give_a_row_the_same_bits_in_batches_of_many_row_blocks_and_panels():
+    """Prompt-sized batches (several row blocks and panels of 128 rows, a short last block, a row at any offset in
+    its block) give a row the bits it gets alone."""
+    gen = torch.Generator().manual_seed(2048)
+    layer = Int4Linear(quantize_int4(torch.randn(48, 576, generator=gen), 32), None)
+    layer.tile()
+    x = torch.randn(2048, 576, generator=gen)
+    batched = layer(x)
+    for start, m in ((0, 7), (0, 64), (0, 300), (5, 300), (1, 2047)):
+        assert torch.equal(layer(x[start:start + m]), batched[start:start + m]), f"rows {start}..{start + m - 1}"
+    assert all(torch.equal(layer(x[r:r + 1])[0], batched[r]) for r in (0, 6, 63, 127, 128, 299, 2047))
+
+
 def test_an_int4_weight_of_rows_not_a_multiple_of_16_is_not_tiled():
     layer = Int4Linear(quantize_int4(torch.randn(200, 64), 32), None)
     layer.tile()
