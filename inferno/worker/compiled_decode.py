@@ -1,6 +1,8 @@
-"""The CPU decode step compiled ahead of time: two graphs (one sequence; small batches; two more with LoRA adapters)
-captured by dynamo and built by inductor once (`torch.compile(...).aot_compile`), then saved as a precompiled artifact, so a later start loads
-them without tracing the model, building guards or looking anything up in inductor's caches.
+"""The CPU decode step compiled ahead of time: one graph for every batch size, one sequence included (one more with
+LoRA adapters), captured by dynamo and built by inductor once (`torch.compile(...).aot_compile`), then saved as a
+precompiled artifact, so a later start loads it without tracing the model, building guards or looking anything up in
+inductor's caches. A graph of its own for one sequence (dynamo specialises a size of 1) doubled the trace, the C++
+build and the load, for a step no faster.
 
 The graphs take the model and its attention backend as arguments: the weights and KV caches are inputs, read from
 the objects given at every call, not constants. Only the batch size and the block-table width are dynamic;
@@ -34,8 +36,8 @@ Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 # TRACE_BATCH rows with sizes that dynamo does not specialise at 0 or 1 (`backed_size_oblivious`). A model with LoRA
 # stacks (model/lora.py) gets one more, whose steps name each row's adapter slot (an input: changing adapters
 # recompiles nothing).
-GRAPHS = {"decode": False}
-LORA_GRAPHS = {"decode with LoRA adapters": True}
+GRAPHS = {"any batch": False}
+LORA_GRAPHS = {"any batch with LoRA adapters": True}
 TRACE_BATCH = 2
 # traces of one graph at most, where floats are specialised one by one (aot_compile)
 MAX_RESTARTS = 8
@@ -59,9 +61,17 @@ def graphs_of(model: torch.nn.Module) -> dict[str, bool]:
 def compile_options() -> dict:
     """Inductor's options for the graphs: fused elementwise code and a C++ wrapper (its ~8 kernel and operator calls
     per layer cost no Python, about 5-10 % of a SmolLM2 decode step on 2 AVX2 cores), loops parallel over the serving
-    thread's count, the vector width named (`vector_width_option`)."""
+    thread's count, the vector width named (`vector_width_option`). The wrapper is built apart from the kernels, at
+    -O1 instead of -O3: it is straight-line calls (SmolLM2's, 7,500 lines in one function) that g++ took minutes to
+    optimise for nothing; and without precompiled headers (NO_PRECOMPILED_HEADERS)."""
     return {"emulate_precision_casts": True, "cpp_wrapper": True, "cpp.threads": torch.get_num_threads(),
-            **vector_width_option()}
+            "cpp_wrapper_build_separate": True, **NO_PRECOMPILED_HEADERS, **vector_width_option()}
+
+
+# Inductor precompiles torch's headers (a 140 MB file) into /tmp, outside the compile cache, and every process that
+# builds or even loads a library preprocesses them again to check that file (g++ -E, seconds): a build of one
+# graph's two files gains less than that costs, and loading a precompiled step needs no header at all.
+NO_PRECOMPILED_HEADERS = {"cpp_cache_precompile_headers": False}
 
 
 def import_compiler() -> None:
@@ -109,7 +119,7 @@ class CompiledDecode:
         it eagerly instead of compiling more graphs mid-serving."""
         if block_tables.shape[1] == 1:  # width 1 would be specialised: pad with an unread block
             block_tables = torch.cat([block_tables, block_tables], dim=1)
-        graph = self.graphs["decode" if lora_slots is None else "decode with LoRA adapters"]
+        graph = self.graphs["any batch" if lora_slots is None else "any batch with LoRA adapters"]
         args = (model, attention, input_ids, positions, slot_mapping, block_tables, seq_lens, lora_slots)
         if not graph.guard_check(*args):
             self.num_eager_steps += 1
@@ -170,13 +180,15 @@ def phase_seconds() -> dict[str, float]:
 def load_graphs(serialized: dict[str, bytes]) -> CompiledDecode:
     """The graphs of a precompiled artifact (raises where it cannot be used: another torch or Python, a damaged
     entry). Their C++ libraries come from inductor's cache folder (built again where missing)."""
+    import torch._inductor.config
     from torch._dynamo.aot_compile import AOTCompiledFunction
     # the guards' state names the native operators' namespace as a module, which unpickling imports by name
     sys.modules.setdefault("torch.ops.inferno", torch.ops.inferno)
     graphs = {}
-    for name in serialized:
-        graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
-        graphs[name].disable_guard_check()
+    with torch._inductor.config.patch(NO_PRECOMPILED_HEADERS):
+        for name in serialized:
+            graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
+            graphs[name].disable_guard_check()
     return CompiledDecode(graphs)
 
 
