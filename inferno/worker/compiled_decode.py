@@ -2,7 +2,7 @@
 LoRA adapters), captured by dynamo and built by inductor once (`torch.compile(...).aot_compile`), then saved as a
 precompiled artifact, so a later start loads it without tracing the model, building guards or looking anything up in
 inductor's caches. A graph of its own for one sequence (dynamo specialises a size of 1) doubled the trace, the C++
-build and the load, for a step no faster.
+build and the load.
 
 The graphs take the model and its attention backend as arguments: the weights and KV caches are inputs, read from
 the objects given at every call, not constants. Only the batch size and the block-table width are dynamic;
@@ -62,8 +62,8 @@ def compile_options() -> dict:
     """Inductor's options for the graphs: fused elementwise code and a C++ wrapper (its ~8 kernel and operator calls
     per layer cost no Python, about 5-10 % of a SmolLM2 decode step on 2 AVX2 cores), loops parallel over the serving
     thread's count, the vector width named (`vector_width_option`). The wrapper is built apart from the kernels, at
-    -O1 instead of -O3: it is straight-line calls (SmolLM2's, 7,500 lines in one function) that g++ took minutes to
-    optimise for nothing; and without precompiled headers (NO_PRECOMPILED_HEADERS)."""
+    -O1 instead of -O3: it is straight-line calls (SmolLM2's, 7,500 lines in one function), where -O3 spent most of
+    the compile; and without precompiled headers (NO_PRECOMPILED_HEADERS)."""
     return {"emulate_precision_casts": True, "cpp_wrapper": True, "cpp.threads": torch.get_num_threads(),
             "cpp_wrapper_build_separate": True, **NO_PRECOMPILED_HEADERS, **vector_width_option()}
 
