@@ -132,9 +132,9 @@ class SpeculativeConfig:
     Neither changes what is generated: the output is the target's distribution (greedy: the same tokens) whatever
     the number of drafts, though a seeded sampled request's tokens depend on it.
 
-    `speculative_token_tree` (vLLM's key; Medusa only for now): the drafts of a request form a tree, given as the
-    list of its nodes' paths of top-k ranks, one rank per head: (0,) is head 1's best token, (1,) its second,
-    (0, 0) head 2's best under (0,). Every prefix of a path must be a node too. While few requests run
+    `speculative_token_tree` (vLLM's key; Medusa and EAGLE): the drafts of a request form a tree, given as the
+    list of its nodes' paths of top-k ranks, one rank per draft position: (0,) is the best first draft (Medusa: head
+    1's top token; EAGLE: the head's), (1,) the second best, (0, 0) the best second draft under (0,). Every prefix of a path must be a node too. While few requests run
     (spec_decode/policy.py), each verifies its whole tree (cut to the depth the policy allows) in one pass and
     keeps the longest accepted branch; a busier batch verifies chains.
     """
@@ -190,16 +190,20 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config draft_acceptance_threshold must be a number in [0, 1) "
                              f"(0: always propose num_speculative_tokens), got {threshold!r}")
         tree = config.get("speculative_token_tree")
-        if tree is not None and method != "medusa":
-            raise ValueError(f"speculative_config speculative_token_tree is supported with method 'medusa' only, "
-                             f"not {method!r}")
+        if tree is not None and method not in HEAD_METHODS:
+            raise ValueError(f"speculative_config speculative_token_tree is supported with methods "
+                             f"{list(HEAD_METHODS)} only, not {method!r}")
         return cls(method, k, low, high, model, disable, float(threshold), None if tree is None else _token_tree(tree))
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots a running request needs beyond its scheduled tokens: where the draft model (or EAGLE head) writes
-        its drafts' K/V."""
-        return self.num_speculative_tokens if self.method in ("draft_model", "eagle") else 0
+        its drafts' K/V. An EAGLE head drafting a tree writes one slot per inner node of the tree (cut to
+        num_speculative_tokens deep: worker/spec_decode/eagle_tree.py)."""
+        k = self.num_speculative_tokens
+        if self.method == "eagle" and self.speculative_token_tree is not None:
+            return max(k, len({path[:-1] for path in self.speculative_token_tree if 1 < len(path) <= k}))
+        return k if self.method in ("draft_model", "eagle") else 0
 
 
 def _token_tree(value) -> tuple[tuple[int, ...], ...]:
