@@ -97,7 +97,7 @@ class Worker:
             self.num_blocks = int(count)
         self.model_runner = ModelRunner(loaded.model, config, self.num_blocks, parallel, self.device)
         if spec is not None and spec.speculative_token_tree is not None:
-            self.model_runner.check_trees_supported(spec.speculative_token_tree)
+            self.model_runner.check_trees_supported(spec.tree_width)
         self.kv_connector = None if config.kv_role is None else KVConnector(
             self.model_runner.kv_caches(), config.kv_role, config.kv_host, config.kv_port,
             config.kv_transfer_backend, config.kv_transfer_timeout)
@@ -105,7 +105,7 @@ class Worker:
         if draft is not None:
             self.proposer = DraftModelProposer(draft, config, self.num_blocks, self.model_runner.requests, self.device)
         elif eagle is not None:
-            self.proposer = EagleProposer(eagle, self.model_runner, config, spec.speculative_token_tree)
+            self.proposer = EagleProposer(eagle, self.model_runner, config)
         elif parallel.rank == 0 and spec is not None and spec.method == "medusa":
             heads = load_medusa_heads(spec.model, loaded.config, config.torch_dtype, self.device)
             self.proposer = MedusaProposer(heads, self.model_runner, spec.speculative_token_tree)

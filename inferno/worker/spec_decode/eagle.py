@@ -24,7 +24,7 @@ request's sampling.
 
 import torch
 
-from inferno.config import EngineConfig, ModelConfig
+from inferno.config import DYNAMIC_TREE, EngineConfig, ModelConfig
 from inferno.core.scheduler_output import DraftOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.loader.eagle_folder import EagleFolder, eagle_head_config, read_eagle_folder
@@ -35,7 +35,7 @@ from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.model_runner import ModelRunner
 from inferno.worker.spec_decode.draft_sampling import sample_drafts
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
-from inferno.worker.spec_decode.eagle_tree import HeadTree
+from inferno.worker.spec_decode.eagle_tree import DraftTree, DynamicTree, StaticTree
 from inferno.worker.spec_decode.proposer_cache import ProposerCache, live_caches
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
 
@@ -58,10 +58,9 @@ def head_kv_bytes_per_block(head: ModelConfig, block_size: int, dtype: torch.dty
 
 
 class EagleProposer:
-    def __init__(self, head: EagleHead, runner: ModelRunner, config: EngineConfig,
-                 token_tree: tuple[tuple[int, ...], ...] | None = None):
+    def __init__(self, head: EagleHead, runner: ModelRunner, config: EngineConfig):
         self.head = head
-        self.token_tree = token_tree
+        self.spec = config.speculative_config
         self.runner = runner
         self.target = runner.model
         self.block_size = config.block_size
@@ -100,7 +99,7 @@ class EagleProposer:
         # the target's embedding, norm and head: their weights may switch to tiles between passes
         with self.runner.tile_switch.step():
             roots = self._pass(chunks, self.target.norm(torch.cat(features)))
-            trees = [i for i, (req, _) in enumerate(wanted) if req.tree and self.token_tree is not None]
+            trees = [i for i, (req, _) in enumerate(wanted) if req.tree and self.spec.speculative_token_tree]
             chains = [i for i in range(len(wanted)) if i not in trees]
             if chains:
                 self._draft_chains([wanted[i] for i in chains], roots[chains], out)
@@ -141,40 +140,44 @@ class EagleProposer:
                 out.draft_probs[req.request_id] = torch.stack(q).cpu()
 
     def draft_trees(self, wanted: list[tuple[DraftingRequest, int]], roots: torch.Tensor,
-                    out: DraftOutput) -> list[dict[int, torch.Tensor]]:
-        """The token tree's nodes up to k deep per request, depth by depth: a node's children are its pass's top
-        tokens of the ranks their paths name (the root's pass: the catch-up's last, `roots`). Point masses: the tree
-        rejection sampler keeps any request's output exact. Returns each tree's head outputs by node (those with a
-        pass, and the root, 0), which ranked their children."""
-        trees = [HeadTree.cut(self.token_tree, k, self._num_slots_after_root(req)) for req, k in wanted]
-        tokens = [[0] * tree.tree.num_nodes for tree in trees]
+                    out: DraftOutput) -> list[tuple[DraftTree, dict[int, torch.Tensor]]]:
+        """Each request's tree up to k deep, depth by depth: the passes of a depth's expanded nodes run as one batch,
+        and each pass's top tokens become the node's children (the root's pass: the catch-up's last, `roots`). Point
+        masses: the tree rejection sampler keeps any request's output exact. Returns each tree and its head outputs
+        by node (the root, 0, and the nodes with a pass), which ranked their children."""
+        trees = [self._tree(req, k) for req, k in wanted]
         outputs: list[dict[int, torch.Tensor]] = [{0: roots[i]} for i in range(len(wanted))]
-        children = [tree.tree.children() for tree in trees]
-        depths = [tree.tree.depths() for tree in trees]
         frontier, last = [(i, 0) for i in range(len(wanted))], roots
         while frontier:
-            width = max(trees[i].rank(child) for i, node in frontier for child in children[i][node]) + 1
-            top = self.head.logits(last, self.target.lm_head).topk(width, dim=-1).indices.tolist()
+            logprobs = self.head.logits(last, self.target.lm_head).log_softmax(dim=-1)
+            top = logprobs.topk(max(trees[i].width for i, _ in frontier), dim=-1)
+            ids, values = top.indices.tolist(), top.values.tolist()
             for row, (i, node) in enumerate(frontier):
-                for child in children[i][node]:
-                    tokens[i][child] = top[row][trees[i].rank(child)]
-            parents = {(i, node): row for row, (i, node) in enumerate(frontier)}
-            frontier = [(i, child) for i, node in frontier for child in children[i][node] if children[i][child]]
+                trees[i].grow(node, ids[row], values[row])
+            parent_rows = {(i, node): row for row, (i, node) in enumerate(frontier)}
+            frontier = [(i, node) for i, tree in enumerate(trees) for node in tree.expand()]
             if not frontier:
                 break
-            chunks, rows, parent_rows = [], [], []
+            chunks, rows = [], []
             for i, node in frontier:
-                req, tree, root = wanted[i][0], trees[i], wanted[i][0].num_tokens - 2
-                chunks.append(TokenChunk([tokens[i][node]], tree.pass_slot(node, root), req.block_ids))
-                rows.append((root + depths[i][node], tree.hidden_slots(node, root)))
-                parent_rows.append(parents[(i, tree.tree.parent(node))])
-            last = self._pass(chunks, last[parent_rows], rows)
+                req, tree = wanted[i][0], trees[i]
+                root = req.num_tokens - 2
+                chunks.append(TokenChunk([tree.token_ids[node]], tree.pass_slot(node, root), req.block_ids))
+                rows.append((root + tree.depths[node], tree.hidden_slots(node, root)))
+            parents = [parent_rows[(i, trees[i].parents[node])] for i, node in frontier]
+            last = self._pass(chunks, last[parents], rows)
             for row, (i, node) in enumerate(frontier):
                 outputs[i][node] = last[row]
-        for (req, _), tree, ids in zip(wanted, trees, tokens):
-            out.spec_token_ids[req.request_id] = ids[1:]
-            out.spec_tree_parents[req.request_id] = list(tree.tree.parents)
-        return outputs
+        for (req, _), tree in zip(wanted, trees):
+            out.spec_token_ids[req.request_id], out.spec_tree_parents[req.request_id] = tree.drafts()
+        return list(zip(trees, outputs))
+
+    def _tree(self, req: DraftingRequest, depth: int) -> DraftTree:
+        """The request's tree up to `depth`, its passes within the slots reserved after its root."""
+        spec, slots = self.spec, self._num_slots_after_root(req)
+        if spec.speculative_token_tree == DYNAMIC_TREE:
+            return DynamicTree(spec.eagle_topk, spec.num_draft_tokens - 1, min(depth, slots // spec.eagle_topk + 1))
+        return StaticTree(spec.speculative_token_tree, depth, slots)
 
     def _pass(self, chunks: list[TokenChunk], features: torch.Tensor,
               tree_rows: list[tuple[int, list[int]]] = ()) -> torch.Tensor:
