@@ -17,9 +17,9 @@ from inferno.worker.spec_decode.drafting_request import DraftingRequest
 from inferno.worker.spec_decode.eagle import EagleProposer, build_eagle_head
 from inferno.worker.spec_decode.eagle_tree import DynamicTree, StaticTree
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
-from test_eagle import K, eagle, hf_layer, random_head_tensors, smol_head, write_layout  # noqa: F401 (fixture)
+from test_eagle import eagle, hf_layer, random_head_tensors, smol_head, write_layout  # noqa: F401 (fixture)
 from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
-from test_spec_heads import TOKEN_TREE, cycle_model, record_trees  # noqa: F401 (fixture)
+from test_spec_heads import TOKEN_TREE, record_trees
 
 TREE_K = len(max(TOKEN_TREE, key=len))  # the whole tree drafted: 7 nodes, 3 inner ones, 3 deep
 
@@ -88,7 +88,7 @@ def tree_proposer(head, backend: str, tree: dict) -> EagleProposer:
 @pytest.mark.parametrize("backend", ["torch", "cpu_kernel"])
 def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_head, backend, tree):
     torch.manual_seed(1)
-    proposer = tree_proposer(tree_head, backend, tree)
+    proposer, dynamic = tree_proposer(tree_head, backend, tree), tree == DYNAMIC
     target = proposer.target
     n = 21  # the head's root at position 19: its passes cross into the second block
     tokens = torch.randint(VOCAB, (n,)).tolist()
@@ -104,7 +104,7 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
     out = proposer.propose([DraftingRequest(state, list(tokens), TREE_K, 0, tree=True)])
     [(drafted_tree, outputs)] = drafted[0]
     assert (out.spec_token_ids["r"], out.spec_tree_parents["r"]) == drafted_tree.drafts() and not out.draft_probs
-    assert len(out.spec_token_ids["r"]) == (len(TOKEN_TREE) if tree is not DYNAMIC else 5)
+    assert len(out.spec_token_ids["r"]) == (5 if dynamic else len(TOKEN_TREE))
     assert sorted(outputs) == [0] + sorted(drafted_tree.passes) and max(drafted_tree.depths) == TREE_K
 
     def dense(path: tuple[int, ...]) -> torch.Tensor:
@@ -120,7 +120,7 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
         expected = dense(path)
         torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-4)
         children = [c for c in range(1, len(drafted_tree.token_ids)) if drafted_tree.parents[c] == node]
-        ranks = [drafted_tree.ranks[c] for c in children] if tree is not DYNAMIC else range(len(children))
+        ranks = [drafted_tree.ranks[c] for c in children] if not dynamic else range(len(children))
         top = tree_head.logits(expected, target.lm_head).topk(drafted_tree.width).indices.tolist()
         assert [drafted_tree.token_ids[c] for c in children] == [top[r] for r in ranks]
 
