@@ -16,10 +16,10 @@ positions; before proposing, the cached tokens and blocks are compared with the 
 prefix is kept (rejected drafts, preemption, copy-on-write all fall out of that).
 
 With a token tree (`speculative_token_tree`), a request the policy lets propose one drafts it depth by depth
-(eagle_tree.py): each pass runs the current depth's inner nodes as decode rows, each masked to the context and its
-own ancestors with the target's tree-row machinery, and a node's children are its output's top tokens of the ranks
-their paths name. Its nodes are verified as point masses (layers/tree_rejection_sampler.py), exact whatever the
-request's sampling.
+(eagle_tree.py): each pass runs the current depth's expanded nodes as decode rows, each masked to the context and
+its own ancestors with the target's tree-row machinery, and a node's children come from its output's top tokens (a
+static tree's: the ranks their paths name; EAGLE-2's dynamic tree: the best by cumulative draft probability). Its
+nodes are verified as point masses (layers/tree_rejection_sampler.py), exact whatever the request's sampling.
 """
 
 import torch
