@@ -125,36 +125,35 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
         assert [drafted_tree.token_ids[c] for c in children] == [top[r] for r in ranks]
 
 
-# speculation with a tree on the default model (a random head: drafts accepted now and then)
+# speculation with a tree on the default model (a random head: its drafts are seldom accepted; a trained one's are
+# in test_eagle.py)
 
 TREES = {"static": {"speculative_token_tree": TOKEN_TREE}, "dynamic": DYNAMIC}
 
 
-@pytest.fixture(scope="module", params=list(TREES))
-def eagle_tree_llm(request, model_path, smol_head) -> LLM:
-    return LLM(model_path, kv_cache_memory=64 << 20, **FLOAT32, speculative_config=eagle(smol_head,
-                                                                                       **TREES[request.param]))
+@pytest.fixture(scope="module")
+def eagle_tree_llm(model_path, smol_head) -> LLM:
+    return LLM(model_path, kv_cache_memory=64 << 20, **FLOAT32, speculative_config=eagle(smol_head, **TREES["static"]))
 
 
 def test_greedy_with_an_eagle_tree_matches_plain_decoding_alone_and_in_batch(eagle_tree_llm, prompts, reference):
     """Alone and two at a time every request verifies trees; three at a time, chains until one finishes."""
     trees = record_trees(eagle_tree_llm)
-    stats = eagle_tree_llm.llm_engine.spec_decoding_stats
     assert token_ids(eagle_tree_llm, prompts[:1], greedy()) == reference[:1]
     assert token_ids(eagle_tree_llm, prompts[:2], greedy()) == reference[:2]
-    assert 2 in trees and stats.num_accepted_tokens > 0
+    assert 2 in trees
     trees.clear()
     assert token_ids(eagle_tree_llm, prompts, greedy()) == reference
     assert trees[0] == 0  # a busy batch verifies chains
     assert_all_blocks_free(eagle_tree_llm.llm_engine)
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-def test_eagle_tree_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, model_path, smol_head, prompts,
-                                                                               reference, tree):
+def test_dynamic_eagle_tree_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, model_path, smol_head,
+                                                                                       prompts, reference):
+    """The dynamic tree reserves the most lookahead slots (eagle_topk per depth): 4 here, to a static tree's 3."""
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
     cramped = LLM(model_path, kv_cache_memory=11 * block_bytes, max_num_batched_tokens=32, **FLOAT32,
-                  speculative_config=eagle(smol_head, **TREES[tree]))
+                  speculative_config=eagle(smol_head, **DYNAMIC))
     trees = record_trees(cramped)
     assert token_ids(cramped, prompts, greedy()) == reference
     assert cramped.llm_engine.scheduler.num_preemptions > 0 and max(trees) > 0
