@@ -147,6 +147,8 @@ def engines(args):
                                                               (f"{method}, no batch switch", NO_BATCH_SWITCH)]
             if args.token_tree:  # trees while few requests run (spec_decode/policy.py), chains in a busy batch
                 tree = heads | {"speculative_token_tree": args.token_tree}
+                if args.token_tree == "dynamic":  # EAGLE-2's tree
+                    tree |= {"eagle_topk": args.eagle_topk, "num_draft_tokens": args.num_tree_tokens}
                 yield name, dict(big, speculative_config=tree), [(f"{method} tree", {})]
     if not args.skip_default_model:
         small = dict(dtype=args.dtype, kv_cache_memory=1 << 30, num_threads=args.num_threads)
@@ -220,8 +222,13 @@ def main() -> None:
                                                       "`inferno train-draft-heads`, benchmarks/draft_head_prompts.py)")
     parser.add_argument("--num-head-tokens", type=int, default=3, help="drafts per step from --heads (Medusa: at "
                                                                        "most its number of heads)")
-    parser.add_argument("--token-tree", default=None, help="also --heads (medusa) with this speculative_token_tree, "
-                        "e.g. \"[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]\"")
+    parser.add_argument("--token-tree", default=None, help="also --heads with this speculative_token_tree, e.g. "
+                        "\"[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]\", or \"dynamic\" (EAGLE-2's tree, "
+                        "--method eagle; its depth: --num-head-tokens)")
+    parser.add_argument("--eagle-topk", type=int, default=4, help="dynamic tree: nodes expanded per depth, children "
+                                                                  "per node")
+    parser.add_argument("--num-tree-tokens", type=int, default=8, help="dynamic tree: tokens verified per step, the "
+                                                                       "last one included (SGLang's num_draft_tokens)")
     parser.add_argument("--draft-acceptance-threshold", type=float, default=None, help="default: the config's")
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=2)

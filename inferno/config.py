@@ -103,6 +103,7 @@ class ModelConfig:
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
 # methods whose "model" is a folder of heads over the target's own hidden states (no second model)
 HEAD_METHODS = ("medusa", "eagle")
+DYNAMIC_TREE = "dynamic"  # speculative_token_tree: EAGLE-2's tree, grown from the head's scores at each step
 # defaults of the speculation policy (benchmarks/spec_decode.py): batch 1 verifies a few extra tokens almost for
 # free, while in a large batch a step's cost grows with its tokens (the matmuls are compute-bound there), so
 # verifying drafts costs more throughput than the accepted tokens bring. Requests whose drafts are mostly rejected
@@ -132,9 +133,12 @@ class SpeculativeConfig:
     Neither changes what is generated: the output is the target's distribution (greedy: the same tokens) whatever
     the number of drafts, though a seeded sampled request's tokens depend on it.
 
-    `speculative_token_tree` (vLLM's key; Medusa only for now): the drafts of a request form a tree, given as the
-    list of its nodes' paths of top-k ranks, one rank per head: (0,) is head 1's best token, (1,) its second,
-    (0, 0) head 2's best under (0,). Every prefix of a path must be a node too. While few requests run
+    `speculative_token_tree` (vLLM's key; Medusa and EAGLE): the drafts of a request form a tree, given as the
+    list of its nodes' paths of top-k ranks, one rank per draft position: (0,) is the best first draft (Medusa: head
+    1's top token; EAGLE: the head's), (1,) the second best, (0, 0) the best second draft under (0,). Every prefix
+    of a path must be a node too. With EAGLE, "dynamic" grows EAGLE-2's tree instead (SGLang's sizes: at each of
+    num_speculative_tokens depths the `eagle_topk` best nodes by cumulative draft probability get `eagle_topk`
+    children each, and the best num_draft_tokens - 1 nodes of all are verified). While few requests run
     (spec_decode/policy.py), each verifies its whole tree (cut to the depth the policy allows) in one pass and
     keeps the longest accepted branch; a busier batch verifies chains.
     """
@@ -147,14 +151,17 @@ class SpeculativeConfig:
     model: str | None
     disable_by_batch_size: int | None
     draft_acceptance_threshold: float
-    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+    speculative_token_tree: tuple[tuple[int, ...], ...] | str | None = None  # paths, or DYNAMIC_TREE
+    eagle_topk: int = 4  # DYNAMIC_TREE: the nodes expanded per depth, and the children drafted per node
+    num_draft_tokens: int = 8  # DYNAMIC_TREE: the tokens a tree verifies, its root (the last token) included
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                 "disable_by_batch_size", "draft_acceptance_threshold", "speculative_token_tree"}
+                 "disable_by_batch_size", "draft_acceptance_threshold", "speculative_token_tree", "eagle_topk",
+                 "num_draft_tokens"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known keys are {sorted(known)}")
@@ -190,16 +197,49 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config draft_acceptance_threshold must be a number in [0, 1) "
                              f"(0: always propose num_speculative_tokens), got {threshold!r}")
         tree = config.get("speculative_token_tree")
-        if tree is not None and method != "medusa":
-            raise ValueError(f"speculative_config speculative_token_tree is supported with method 'medusa' only, "
-                             f"not {method!r}")
-        return cls(method, k, low, high, model, disable, float(threshold), None if tree is None else _token_tree(tree))
+        if tree is not None and method not in HEAD_METHODS:
+            raise ValueError(f"speculative_config speculative_token_tree is supported with methods "
+                             f"{list(HEAD_METHODS)} only, not {method!r}")
+        if tree == DYNAMIC_TREE and method != "eagle":
+            raise ValueError("speculative_config speculative_token_tree 'dynamic' (EAGLE-2's tree) needs method "
+                             f"'eagle', not {method!r}")
+        topk, num_tokens = config.get("eagle_topk", 4), config.get("num_draft_tokens", 8)
+        if tree != DYNAMIC_TREE and ("eagle_topk" in config or "num_draft_tokens" in config):
+            raise ValueError("speculative_config eagle_topk and num_draft_tokens size EAGLE-2's dynamic tree: they "
+                             "need speculative_token_tree 'dynamic'")
+        if not _is_positive_int(topk):
+            raise ValueError(f"speculative_config eagle_topk must be a positive integer, got {topk!r}")
+        if not _is_positive_int(num_tokens) or num_tokens < 2:
+            raise ValueError(f"speculative_config num_draft_tokens (the tokens a tree verifies, its root included) "
+                             f"must be an integer >= 2, got {num_tokens!r}")
+        tree = tree if tree in (None, DYNAMIC_TREE) else _token_tree(tree)
+        return cls(method, k, low, high, model, disable, float(threshold), tree, topk, num_tokens)
+
+    @property
+    def tree_width(self) -> int:
+        """The most top tokens of one draft position a tree reads."""
+        if self.speculative_token_tree == DYNAMIC_TREE:
+            return self.eagle_topk
+        return 1 + max(max(path) for path in self.speculative_token_tree)
+
+    @property
+    def num_tree_drafts(self) -> int | None:
+        """The draft nodes of a whole tree (None: chains only)."""
+        if self.speculative_token_tree == DYNAMIC_TREE:
+            return self.num_draft_tokens - 1
+        return None if self.speculative_token_tree is None else len(self.speculative_token_tree)
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots a running request needs beyond its scheduled tokens: where the draft model (or EAGLE head) writes
-        its drafts' K/V."""
-        return self.num_speculative_tokens if self.method in ("draft_model", "eagle") else 0
+        its drafts' K/V. An EAGLE head drafting a tree writes one slot per inner node of the tree (cut to
+        num_speculative_tokens deep: worker/spec_decode/eagle_tree.py)."""
+        k, tree = self.num_speculative_tokens, self.speculative_token_tree
+        if self.method == "eagle" and tree == DYNAMIC_TREE:  # eagle_topk passes at each depth but the last
+            return max(k, self.eagle_topk * (k - 1))
+        if self.method == "eagle" and tree is not None:
+            return max(k, len({path[:-1] for path in tree if 1 < len(path) <= k}))
+        return k if self.method in ("draft_model", "eagle") else 0
 
 
 def _token_tree(value) -> tuple[tuple[int, ...], ...]:

@@ -20,7 +20,7 @@ from inferno.worker.input_batch import TokenChunk, lay_out_chunks
 from inferno.worker.model_runner import kv_bytes_per_block
 from inferno.worker.spec_decode.eagle import build_eagle_head
 from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
-from test_spec_heads import cycle_model, write_training_prompts  # noqa: F401 (fixture)
+from test_spec_heads import TOKEN_TREE, cycle_model, write_training_prompts  # noqa: F401 (fixture)
 
 K = 3
 
@@ -245,3 +245,15 @@ def test_trained_head_drafts_are_accepted_and_output_is_unchanged(cycle_model, t
     stats = spec.llm_engine.spec_decoding_stats
     assert min(stats.acceptance_rate_per_pos) >= 0.75, stats.acceptance_rate_per_pos
     assert stats.mean_acceptance_length > 3
+
+
+@pytest.mark.parametrize("tree", [{"speculative_token_tree": TOKEN_TREE},
+                                  {"speculative_token_tree": "dynamic", "eagle_topk": 2, "num_draft_tokens": 6}],
+                         ids=["static", "dynamic"])
+def test_trained_head_drafting_a_tree_keeps_the_output_and_accepts_whole_branches(cycle_model, trained_head, tree):
+    folder, cycle = cycle_model
+    plain = LLM(folder, kv_cache_memory=16 << 20, **FLOAT32)
+    spec = LLM(folder, kv_cache_memory=16 << 20, **FLOAT32, speculative_config=eagle(trained_head[0], **tree))
+    prompts, params = [[5, 6, 7, 8], [100, cycle[7], 200]], greedy(max_tokens=24)
+    assert token_ids(spec, prompts, params) == token_ids(plain, prompts, params)
+    assert spec.llm_engine.spec_decoding_stats.mean_acceptance_length > 3

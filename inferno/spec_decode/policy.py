@@ -42,7 +42,7 @@ class SpeculationPolicy:
         self.k = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
         self.threshold = config.draft_acceptance_threshold
-        self.tree = config.speculative_token_tree
+        self.tree_size = config.num_tree_drafts
         self.stats = stats
         self.acceptance: dict[str, Acceptance] = {}
 
@@ -72,10 +72,10 @@ class SpeculationPolicy:
 
     def tree_requests(self, planned: list[tuple[Request, int]], num_running: int) -> set[str]:
         """The planned requests that propose a tree rather than a chain."""
-        if self.tree is None or num_running > TREE_MAX_RUNNING:
+        if self.tree_size is None or num_running > TREE_MAX_RUNNING:
             return set()
         return {req.request_id for req, _ in planned if req.sampling_params.structured_outputs is None
-                and num_drafts_wanted(req, len(self.tree)) == len(self.tree)}
+                and num_drafts_wanted(req, self.tree_size) == self.tree_size}
 
     def _num_drafts(self, request_id: str) -> int:
         if self.threshold == 0:

@@ -142,8 +142,12 @@ class ModelRunner:
                 output.pooler_output = pool(plan.pooling, normed)
         return output
 
-    def check_trees_supported(self) -> None:
-        """ValueError where draft trees cannot be verified (the worker refuses speculative_token_tree at start-up)."""
+    def check_trees_supported(self, tree_width: int) -> None:
+        """ValueError where draft trees cannot be verified (the worker refuses speculative_token_tree at start-up);
+        `tree_width`: the most top tokens of one position the tree reads."""
+        if tree_width > self.config.vocab_size:
+            raise ValueError(f"speculative_token_tree reads the top {tree_width} tokens of a position but the "
+                             f"vocabulary has {self.config.vocab_size}")
         if self.parallel.world_size > 1:  # rank 0 alone learns which path is kept, and moves its K/V
             raise ValueError("speculative_token_tree needs a single rank (no tensor or pipeline parallelism)")
         if self.config.sliding_window is not None:  # the window would start from a node's slot, not its position

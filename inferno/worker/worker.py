@@ -97,7 +97,7 @@ class Worker:
             self.num_blocks = int(count)
         self.model_runner = ModelRunner(loaded.model, config, self.num_blocks, parallel, self.device)
         if spec is not None and spec.speculative_token_tree is not None:
-            self.model_runner.check_trees_supported()
+            self.model_runner.check_trees_supported(spec.tree_width)
         self.kv_connector = None if config.kv_role is None else KVConnector(
             self.model_runner.kv_caches(), config.kv_role, config.kv_host, config.kv_port,
             config.kv_transfer_backend, config.kv_transfer_timeout)

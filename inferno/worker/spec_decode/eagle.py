@@ -1,4 +1,5 @@
-"""An EAGLE head proposes a chain of drafts autoregressively, from the target's own features, on its own KV cache.
+"""An EAGLE head proposes a chain (or a tree) of drafts autoregressively, from the target's own features, on its
+own KV cache.
 
 The head's K/V at position p come from the token at p + 1 and the target's feature (final hidden state, after the
 final norm) at p, which the target runner keeps for every position it ran and accepted (`target_hidden`). After a
@@ -14,14 +15,16 @@ never trusted: the next proposal rewrites them from the target's features once t
 positions; before proposing, the cached tokens and blocks are compared with the request's and only the matching
 prefix is kept (rejected drafts, preemption, copy-on-write all fall out of that).
 
-A later tree search would run each depth's passes over several candidates per request: the per-depth pass here
-(`_pass`) already takes any set of (position, token, feature, block table) rows; a tree needs an attention mask
-over sibling candidates, which the paged backends do not take yet (issue 42, item 3).
+With a token tree (`speculative_token_tree`), a request the policy lets propose one drafts it depth by depth
+(eagle_tree.py): each pass runs the current depth's expanded nodes as decode rows, each masked to the context and
+its own ancestors with the target's tree-row machinery, and a node's children come from its output's top tokens (a
+static tree's: the ranks their paths name; EAGLE-2's dynamic tree: the best by cumulative draft probability). Its
+nodes are verified as point masses (layers/tree_rejection_sampler.py), exact whatever the request's sampling.
 """
 
 import torch
 
-from inferno.config import EngineConfig, ModelConfig
+from inferno.config import DYNAMIC_TREE, EngineConfig, ModelConfig
 from inferno.core.scheduler_output import DraftOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.loader.eagle_folder import EagleFolder, eagle_head_config, read_eagle_folder
@@ -32,6 +35,7 @@ from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.model_runner import ModelRunner
 from inferno.worker.spec_decode.draft_sampling import sample_drafts
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
+from inferno.worker.spec_decode.eagle_tree import DraftTree, DynamicTree, StaticTree
 from inferno.worker.spec_decode.proposer_cache import ProposerCache, live_caches
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
 
@@ -56,6 +60,7 @@ def head_kv_bytes_per_block(head: ModelConfig, block_size: int, dtype: torch.dty
 class EagleProposer:
     def __init__(self, head: EagleHead, runner: ModelRunner, config: EngineConfig):
         self.head = head
+        self.spec = config.speculative_config
         self.runner = runner
         self.target = runner.model
         self.block_size = config.block_size
@@ -72,12 +77,13 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftingRequest]) -> DraftOutput:
-        """num_draft_tokens drafts per request, fewer where the scheduler's reserved slots end."""
+        """num_draft_tokens drafts per request, fewer where the scheduler's reserved slots end; a tree (cut to
+        num_draft_tokens deep) for the requests the policy lets propose one."""
         self.cached = live_caches(self.cached, self.runner.requests)
         wanted: list[tuple[DraftingRequest, int]] = []
         for req in requests:
-            # draft j's K/V go to position n-3+j (n tokens): only into the slots the scheduler reserved
-            k = min(req.num_draft_tokens, len(req.block_ids) * self.block_size - req.num_tokens + 2)
+            # a chain's draft j writes its K/V at position n-3+j (n tokens): only into the slots the scheduler reserved
+            k = min(req.num_draft_tokens, self._num_slots_after_root(req) + 1)
             if k > 0 and req.num_tokens >= 2:
                 wanted.append((req, k))
         out = DraftOutput()
@@ -92,36 +98,98 @@ class EagleProposer:
             features.append(self.runner.target_hidden.take(req.request_id, valid, req.num_tokens - 1, template))
         # the target's embedding, norm and head: their weights may switch to tiles between passes
         with self.runner.tile_switch.step():
-            features = self.target.norm(torch.cat(features))
-            drafts: list[list[int]] = [[] for _ in wanted]
-            probs: list[list[torch.Tensor]] = [[] for _ in wanted]
-            active = list(range(len(wanted)))
-            while active:
-                last = self._pass(chunks, features)
-                logits = self.head.logits(last, self.target.lm_head)
-                tokens, q = sample_drafts(logits, [(wanted[i][0], drafts[i]) for i in active],
-                                          self.target.config.vocab_size, self.runner.device)
-                for row, i in enumerate(active):
-                    drafts[i].append(tokens[row])
-                    if q is not None and not wanted[i][0].sampling_params.greedy:
-                        probs[i].append(q[row])
-                going = [row for row, i in enumerate(active) if len(drafts[i]) < wanted[i][1]]
-                active = [active[row] for row in going]
-                chunks = [TokenChunk([drafts[i][-1]], wanted[i][0].num_tokens + len(drafts[i]) - 2,
-                                     wanted[i][0].block_ids) for i in active]
-                features = last[going]
-        for (req, _), tokens, q in zip(wanted, drafts, probs):
-            out.spec_token_ids[req.request_id] = tokens
-            if q:
-                out.draft_probs[req.request_id] = torch.stack(q).cpu()
+            roots = self._pass(chunks, self.target.norm(torch.cat(features)))
+            trees = [i for i, (req, _) in enumerate(wanted) if req.tree and self.spec.speculative_token_tree]
+            chains = [i for i in range(len(wanted)) if i not in trees]
+            if chains:
+                self._draft_chains([wanted[i] for i in chains], roots[chains], out)
+            if trees:
+                self.draft_trees([wanted[i] for i in trees], roots[trees], out)
+        for req, _ in wanted:
             self.cached[req.request_id] = ProposerCache(req.state, list(req.token_ids), list(req.block_ids),
                                                         req.num_preemptions, tokens_ahead=1)
         return out
 
-    def _pass(self, chunks: list[TokenChunk], features: torch.Tensor) -> torch.Tensor:
+    def _num_slots_after_root(self, req: DraftingRequest) -> int:
+        """The request's reserved slots after its head root's (position n-2 for n tokens)."""
+        return len(req.block_ids) * self.block_size - req.num_tokens + 1
+
+    def _draft_chains(self, wanted: list[tuple[DraftingRequest, int]], last: torch.Tensor, out: DraftOutput) -> None:
+        """k drafts per request, one pass each after the first from the head's output `last` at the root."""
+        drafts: list[list[int]] = [[] for _ in wanted]
+        probs: list[list[torch.Tensor]] = [[] for _ in wanted]
+        active = list(range(len(wanted)))
+        while True:
+            logits = self.head.logits(last, self.target.lm_head)
+            tokens, q = sample_drafts(logits, [(wanted[i][0], drafts[i]) for i in active],
+                                      self.target.config.vocab_size, self.runner.device)
+            for row, i in enumerate(active):
+                drafts[i].append(tokens[row])
+                if q is not None and not wanted[i][0].sampling_params.greedy:
+                    probs[i].append(q[row])
+            going = [row for row, i in enumerate(active) if len(drafts[i]) < wanted[i][1]]
+            if not going:
+                break
+            active = [active[row] for row in going]
+            chunks = [TokenChunk([drafts[i][-1]], wanted[i][0].num_tokens + len(drafts[i]) - 2,
+                                 wanted[i][0].block_ids) for i in active]
+            last = self._pass(chunks, last[going])
+        for (req, _), tokens, q in zip(wanted, drafts, probs):
+            out.spec_token_ids[req.request_id] = tokens
+            if q:
+                out.draft_probs[req.request_id] = torch.stack(q).cpu()
+
+    def draft_trees(self, wanted: list[tuple[DraftingRequest, int]], roots: torch.Tensor,
+                    out: DraftOutput) -> list[tuple[DraftTree, dict[int, torch.Tensor]]]:
+        """Each request's tree up to k deep, depth by depth: the passes of a depth's expanded nodes run as one batch,
+        and each pass's top tokens become the node's children (the root's pass: the catch-up's last, `roots`). Point
+        masses: the tree rejection sampler keeps any request's output exact. Returns each tree and its head outputs
+        by node (the root, 0, and the nodes with a pass), which ranked their children."""
+        trees = [self._tree(req, k) for req, k in wanted]
+        outputs: list[dict[int, torch.Tensor]] = [{0: roots[i]} for i in range(len(wanted))]
+        frontier, last = [(i, 0) for i in range(len(wanted))], roots
+        while frontier:
+            logprobs = self.head.logits(last, self.target.lm_head).log_softmax(dim=-1)
+            top = logprobs.topk(max(trees[i].width for i, _ in frontier), dim=-1)
+            ids, values = top.indices.tolist(), top.values.tolist()
+            for row, (i, node) in enumerate(frontier):
+                trees[i].grow(node, ids[row], values[row])
+            parent_rows = {(i, node): row for row, (i, node) in enumerate(frontier)}
+            frontier = [(i, node) for i, tree in enumerate(trees) for node in tree.expand()]
+            if not frontier:
+                break
+            chunks, rows = [], []
+            for i, node in frontier:
+                req, tree = wanted[i][0], trees[i]
+                root = req.num_tokens - 2
+                chunks.append(TokenChunk([tree.token_ids[node]], tree.pass_slot(node, root), req.block_ids))
+                rows.append((root + tree.depths[node], tree.hidden_slots(node, root)))
+            parents = [parent_rows[(i, trees[i].parents[node])] for i, node in frontier]
+            last = self._pass(chunks, last[parents], rows)
+            for row, (i, node) in enumerate(frontier):
+                outputs[i][node] = last[row]
+        for (req, _), tree in zip(wanted, trees):
+            out.spec_token_ids[req.request_id], out.spec_tree_parents[req.request_id] = tree.drafts()
+        return list(zip(trees, outputs))
+
+    def _tree(self, req: DraftingRequest, depth: int) -> DraftTree:
+        """The request's tree up to `depth`, its passes within the slots reserved after its root."""
+        spec, slots = self.spec, self._num_slots_after_root(req)
+        if spec.speculative_token_tree == DYNAMIC_TREE:
+            return DynamicTree(spec.eagle_topk, spec.num_draft_tokens - 1, min(depth, slots // spec.eagle_topk + 1))
+        return StaticTree(spec.speculative_token_tree, depth, slots)
+
+    def _pass(self, chunks: list[TokenChunk], features: torch.Tensor,
+              tree_rows: list[tuple[int, list[int]]] = ()) -> torch.Tensor:
         """One pass of the head over the chunks (each: the tokens at p + 1 for its positions p, its rows of
-        `features` in order), writing their K/V; the head's output at each chunk's last position, in chunk order."""
+        `features` in order), writing their K/V; the head's output at each chunk's last position, in chunk order.
+        `tree_rows`: for chunks that are one tree node's pass each (its token at its slot), the node's position and
+        the slots it must not see."""
         mb = lay_out_chunks(chunks, self.block_size)
+        for row, (position, hidden_slots) in zip(mb.logit_rows, tree_rows):
+            mb.positions[row] = position
+            if hidden_slots:
+                mb.tree_hidden_keys[row] = hidden_slots
         # lay_out_chunks puts decode-like chunks first: each chunk's rows end at its logit row
         lengths = [len(c.token_ids) for c in chunks]
         rows = torch.cat([torch.arange(end - n + 1, end + 1) for end, n in zip(mb.logit_rows, lengths)])
@@ -129,6 +197,7 @@ class EagleProposer:
         laid_out = torch.empty_like(features)
         laid_out[rows.to(device)] = features
         input_ids, positions = (torch.tensor(v, dtype=torch.long, device=device) for v in (mb.input_ids, mb.positions))
-        meta = self.head.attention.backend.build_metadata(mb.slot_mapping, mb.decodes, mb.prefills)
+        meta = self.head.attention.backend.build_metadata(mb.slot_mapping, mb.decodes, mb.prefills,
+                                                          mb.tree_hidden_keys)
         out = self.head(self.target.embed_tokens(input_ids), laid_out, positions, meta)
         return out[torch.tensor(mb.logit_rows, dtype=torch.long, device=device)]
