@@ -40,6 +40,17 @@ constexpr int64_t kValueDims = LANES == 16 ? 8 : 4;  // dimensions x kRowVectors
 
 inline intv splat_int(int32_t x) { return intv{} + x; }
 
+// *x in every lane, one vbroadcastss from memory (splat's `floatv{} + x` adds 0 to x first)
+inline floatv broadcast(const float* x) {
+#if defined(__AVX512F__)
+  return (floatv)_mm512_set1_ps(*x);
+#elif defined(__AVX__)
+  return (floatv)_mm256_broadcast_ss(x);
+#else
+  return splat(*x);
+#endif
+}
+
 // scores[j, :] = keys[j] . q for KEYS keys against ROWS vectors of rows: per dimension, a broadcast key element
 // against each vector of the transposed queries q_t [head_dim][kRowBlock]
 template <int64_t KEYS, int64_t ROWS>
@@ -49,7 +60,7 @@ inline void score_keys(const float* keys, const float* q_t, float* scores, int64
     floatv q[ROWS];
     for (int64_t v = 0; v < ROWS; ++v) q[v] = load(q_t + d * kRowBlock + v * LANES);
     for (int64_t j = 0; j < KEYS; ++j) {
-      const floatv k = splat(keys[j * head_dim + d]);
+      const floatv k = broadcast(keys + j * head_dim + d);
       for (int64_t v = 0; v < ROWS; ++v) acc[j][v] += k * q[v];
     }
   }
@@ -68,7 +79,7 @@ inline void weigh_dims(const float* values, const float* p, float* out_t, int64_
     floatv w[ROWS];
     for (int64_t v = 0; v < ROWS; ++v) w[v] = load(p + j * kRowBlock + v * LANES);
     for (int64_t i = 0; i < DIMS; ++i) {
-      const floatv x = splat(values[j * head_dim + i]);
+      const floatv x = broadcast(values + j * head_dim + i);
       for (int64_t v = 0; v < ROWS; ++v) acc[i][v] += x * w[v];
     }
   }
