@@ -3,8 +3,8 @@
 - paged decode attention (`torch.ops.inferno.paged_decode_attention`, bf16 cache, 9 query / 3 KV heads of 64,
   blocks of 16 in random order) against the PyTorch path it replaces when the kernel is missing (gather the
   blocks, batched matmuls, softmax);
-- paged prefill attention (`torch.ops.inferno.paged_prefill_attention`, a fresh prompt, float32 or bfloat16)
-  against PyTorch's causal SDPA;
+- paged prefill attention (`torch.ops.inferno.paged_prefill_attention`, a fresh prompt, float32 or bfloat16, and
+  steps of many float32 prompts in one call, as embeddings run) against PyTorch's causal SDPA (one call per prompt);
 - int4 projections (the VNNI kernel `int4_q8_matmul`, float32 input) against `torch._weight_int4pack_mm_for_cpu`
   (group 32, bf16 input): the ops alone, over the 4 weight matrices of all 30 layers in turn, so that weights come
   from memory as in a decode step, not from a hot cache;
@@ -95,23 +95,34 @@ def attention_case(batch: int, context: int, repeats: int) -> tuple[float, float
     return times[0], times[1]
 
 
-def prefill_attention_case(tokens: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    """Seconds per layer for a fresh prompt of `tokens`: the native flash-attention kernel, PyTorch's SDPA (causal),
-    both over the chunk's own K/V as computed."""
-    blocks = -(-tokens // BLOCK)
+def prefill_attention_case(prompts: list[int], dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """Seconds per layer for fresh prompts of these lengths packed in one step: the native flash-attention kernel
+    (one call for them all), PyTorch's SDPA (causal, one call per prompt), both over the prompts' own K/V as
+    computed."""
+    tokens, blocks = sum(prompts), sum(-(-n // BLOCK) for n in prompts)
     attn = Attention(HEADS, KV_HEADS, HEAD_DIM)
     cache_dtype = torch.float16 if dtype == torch.float32 else dtype
     attn.k_cache = torch.randn(KV_HEADS, blocks + 1, BLOCK, HEAD_DIM).to(cache_dtype)
     attn.v_cache = torch.randn(KV_HEADS, blocks + 1, BLOCK, HEAD_DIM).to(cache_dtype)
     block_ids = (torch.randperm(blocks) + 1).tolist()
+    tables = []
+    for n in prompts:
+        tables.append(block_ids[:-(-n // BLOCK)])
+        del block_ids[:-(-n // BLOCK)]
     q = torch.randn(tokens, HEADS, HEAD_DIM).to(dtype)
     k, v = torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype), torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype)
-    times = []
-    for backend in (CpuKernelAttentionBackend, TorchAttentionBackend):
-        backend = backend(BLOCK, KV_HEADS, blocks + 1, None)
-        chunk = backend.build_metadata([], [], [(tokens, 0, block_ids)]).prefills[0]
-        times.append(median_time(lambda: backend.prefill(attn, q, k, v, chunk), repeats))
-    return times[0], times[1]
+    backend = CpuKernelAttentionBackend(BLOCK, KV_HEADS, blocks + 1, None)
+    step = backend.build_metadata([], [], [(n, 0, table) for n, table in zip(prompts, tables)]).prefills[0]
+    sdpa = TorchAttentionBackend(BLOCK, KV_HEADS, blocks + 1, None)
+    chunks = [sdpa.build_metadata([], [], [(n, 0, table)]).prefills[0] for n, table in zip(prompts, tables)]
+    rows = list(zip(q.split(prompts), k.split(prompts), v.split(prompts), chunks))
+    return (median_time(lambda: backend.prefill(attn, q, k, v, step), repeats),
+            median_time(lambda: [sdpa.prefill(attn, *row) for row in rows], repeats))
+
+
+def packed_prompts(count: int, shortest: int, longest: int) -> list[int]:
+    """`count` prompt lengths drawn uniformly from [shortest, longest] (seeded: the same in every run)."""
+    return torch.randint(shortest, longest + 1, (count,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def projections_case(rows: int, repeats: int) -> tuple[float, float]:
@@ -398,20 +409,27 @@ def main() -> None:
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
+        first = len(rows)
         for batch, context in [(1, 600), (1, 2000), (8, 600), (64, 300), (256, 200)]:
             ours, theirs = attention_case(batch, context, args.repeats)
             rows.append((threads, f"paged attention, {batch} × {context} tokens, one layer", ours, theirs, "gather + matmul"))
-        for tokens, dtype in [(512, torch.float32), (512, torch.bfloat16), (2048, torch.bfloat16)]:
-            ours, theirs = prefill_attention_case(tokens, dtype, args.repeats)
+        for tokens, dtype in [(256, torch.float32), (512, torch.float32), (512, torch.bfloat16),
+                              (2048, torch.bfloat16)]:
+            ours, theirs = prefill_attention_case([tokens], dtype, args.repeats)
             rows.append((threads, f"prefill attention, {tokens} tokens, {str(dtype).removeprefix('torch.')}, one "
                                   "layer", ours, theirs, "scaled_dot_product_attention"))
+        for count, shortest, longest in [(32, 256, 512), (128, 16, 64)]:
+            ours, theirs = prefill_attention_case(packed_prompts(count, shortest, longest), torch.float32,
+                                                  args.repeats)
+            rows.append((threads, f"prefill attention, {count} prompts of {shortest}-{longest} tokens in one step, "
+                                  "float32, one layer", ours, theirs, "scaled_dot_product_attention per prompt"))
         for n in (1, 2, 4, 6, 8):
             ours, theirs = projections_case(n, args.repeats)
             rows.append((threads, f"int4 projections of 30 layers, {n} row(s)", ours, theirs, "_weight_int4pack_mm"))
         for n in (1, 2, 4, 6, 8):
             ours, theirs = lm_head_case(n, args.repeats)
             rows.append((threads, f"LM head 49152 × 576, {n} row(s)", ours, theirs, "_weight_int8pack_mm"))
-        print(*rows[-18:], sep="\n", flush=True)
+        print(*rows[first:], sep="\n", flush=True)
     lines = ["## Native kernels against PyTorch's (`benchmarks/kernels.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Machine: {torch.get_num_threads()} threads max, {platform.processor() or platform.machine()}, "

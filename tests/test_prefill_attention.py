@@ -127,16 +127,18 @@ def test_packed_chunks_match_each_alone(window):
     for (q, k, v, num_computed, block_ids), rows in zip(chunks, out.split([n for n, _ in shapes])):
         reference = dense_reference(attn, q, k.half(), v.half(), num_computed, block_ids)  # own K/V as cached
         assert (rows - reference).abs().max().item() < 2e-6
+        alone = backend.build_metadata([], [], [(q.shape[0], num_computed, block_ids)]).prefills[0]
+        assert torch.equal(rows, backend.prefill(attn, q, k, v, alone))  # batch invariance: the same bits
 
 
 @needs_kernels
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_a_prompt_chunked_computes_the_same_bits_as_whole(cache_dtype):
+@pytest.mark.parametrize("cache_dtype, window", [(torch.float32, None), (torch.float16, None), (torch.float16, 50)])
+def test_a_prompt_chunked_computes_the_same_bits_as_whole(cache_dtype, window):
     """A prompt's attention does not depend on how a step's token budget chunks it (which depends on the batch):
     every chunk reads its own K/V as the cache holds them, as the next chunks read them."""
     torch.manual_seed(0)
     heads, kv_heads, head_dim, n = 9, 3, 64, 150
-    attn = Attention(heads, kv_heads, head_dim)
+    attn = Attention(heads, kv_heads, head_dim, sliding_window=window)
     attn.k_cache = torch.zeros(kv_heads, NUM_BLOCKS, BLOCK, head_dim, dtype=cache_dtype)
     attn.v_cache = torch.zeros(kv_heads, NUM_BLOCKS, BLOCK, head_dim, dtype=cache_dtype)
     block_ids = torch.randperm(NUM_BLOCKS)[:-(-n // BLOCK)].tolist()

@@ -5,372 +5,316 @@
 // a step: a step of many short prompts (embeddings) is one parallel region per layer, not one per prompt.
 // Registered as `inferno::paged_prefill_attention`.
 //
-// Flash attention: a work item is (chunk, kv head, block of kQueryBlock positions) with every query head of the group
-// as rows; it walks the keys in tiles of kKeyTile, keeps each row's running max, softmax denominator and unnormalised
-// output, and rescales them when the max grows, so no score matrix is ever whole. Per tile the keys are converted
-// once to float32 and transposed (keys in lanes), and both products are register-blocked micro-kernels: scores
-// [rows x keys] = queries x keys^T with the query value broadcast against a vector of keys, and output [rows x D]
-// += probabilities x values with a probability broadcast against a vector of a value row. Items are taken from a
-// shared counter, costliest (most keys) first, so that the threads finish together.
+// Flash attention with the query rows in vector lanes: a work item is (chunk, kv head, block of kQueryBlock
+// positions). Its rows (every query head of the group per position) are split into blocks of kRowBlock and
+// transposed, so that each lane is one row; its keys and values are gathered as float32 rows, kKeySegment at a
+// time, and each block of rows walks them up to its last position in tiles of kKeyTile at fixed key positions,
+// keeping each lane's running max, softmax denominator and unnormalised output [head_dim][rows] and rescaling them
+// per tile. The softmax is lane-wise vector code (no horizontal max or sum, a polynomial exp), and both products are
+// register-blocked micro-kernels that broadcast a key (or value) element against vectors of rows. A row's float
+// operations depend only on its position and the keys, never on the other rows of its block, so the result is the
+// same however the step packs and chunks prompts. Items are taken from a shared counter, costliest (most keys)
+// first, so that the threads finish together.
 //
-// bfloat16 queries and caches on a CPU with AVX512-BF16 take the same steps with `vdpbf16ps` (two bfloat16 products
-// added into each float32 lane: half the instructions): keys as pairs of dimensions, values as pairs of keys, the
-// probabilities rounded to bfloat16 for their product with the values (as GPU flash attention does); scores, softmax
-// and sums in float32.
+// bfloat16 queries and caches on a CPU with AVX512-BF16 take prefill_attention_bf16.h's `vdpbf16ps` kernel.
 #include "entry_points.h"
 #include "float_vectors.h"
+#include "prefill_chunks.h"
 
-#include <algorithm>
+#if defined(__AVX512BF16__)
+#include "prefill_attention_bf16.h"
+#endif
+
 #include <atomic>
-#include <cmath>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kQueryBlock = 64;         // query positions per work item (times the group's heads: rows)
-constexpr int64_t kTileVectors = 2;         // score vectors per row of a key tile
-constexpr int64_t kKeyTile = kTileVectors * LANES;
-constexpr int64_t kScoreRows = LANES == 16 ? 6 : 4;   // rows per score micro-kernel (x kTileVectors accumulators)
-constexpr int64_t kOutputRows = LANES == 16 ? 4 : 2;  // rows x kOutputChunks accumulators per output micro-kernel
-constexpr int64_t kOutputChunks = 4;
+constexpr int64_t kRowVectors = 3;                   // vectors of rows per row block
+constexpr int64_t kRowBlock = kRowVectors * LANES;   // rows per row block, one per lane
+constexpr int64_t kKeyTile = 64;                     // keys per softmax step (max and rescale), at multiples of it
+constexpr int64_t kKeySegment = 8 * kKeyTile;        // keys gathered as float32 at a time (256 KiB at head_dim 64)
+constexpr int64_t kScoreKeys = LANES == 16 ? 8 : 4;  // keys x kRowVectors accumulators per score micro-kernel
+constexpr int64_t kValueDims = LANES == 16 ? 8 : 4;  // dimensions x kRowVectors accumulators per output one
 
-// f(std::integral_constant<int64_t, BLOCK>{}, i) for i = 0, BLOCK, ... while a whole block fits in `count`, then
-// f(std::integral_constant<int64_t, 1>{}, i) for each of the rest: the micro-kernels' row and chunk blocking
-template <int64_t BLOCK, typename F>
-inline void in_blocks(int64_t count, F&& f) {
-  int64_t i = 0;
-  for (; i + BLOCK <= count; i += BLOCK) f(std::integral_constant<int64_t, BLOCK>{}, i);
-  for (; i < count; ++i) f(std::integral_constant<int64_t, 1>{}, i);
+inline intv splat_int(int32_t x) { return intv{} + x; }
+
+// *x in every lane, one vbroadcastss from memory (splat's `floatv{} + x` adds 0 to x first)
+inline floatv broadcast(const float* x) {
+#if defined(__AVX512F__)
+  return (floatv)_mm512_set1_ps(*x);
+#elif defined(__AVX__)
+  return (floatv)_mm256_broadcast_ss(x);
+#else
+  return splat(*x);
+#endif
 }
 
-// The cache offset of key t of kv head h
-inline int64_t key_offset(const int64_t* table, int64_t h, int64_t t, int64_t num_blocks, int64_t block_size,
-                          int64_t head_dim) {
-  return ((h * num_blocks + table[t / block_size]) * block_size + t % block_size) * head_dim;
+// scores[j, :] = keys[j] . q for KEYS keys against ROWS vectors of rows: per dimension, a broadcast key element
+// against each vector of the transposed queries q_t [head_dim][kRowBlock]
+template <int64_t KEYS, int64_t ROWS>
+inline void score_keys(const float* keys, const float* q_t, float* scores, int64_t head_dim) {
+  floatv acc[KEYS][ROWS] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    floatv q[ROWS];
+    for (int64_t v = 0; v < ROWS; ++v) q[v] = load(q_t + d * kRowBlock + v * LANES);
+    for (int64_t j = 0; j < KEYS; ++j) {
+      const floatv k = broadcast(keys + j * head_dim + d);
+      for (int64_t v = 0; v < ROWS; ++v) acc[j][v] += k * q[v];
+    }
+  }
+  for (int64_t j = 0; j < KEYS; ++j)
+    for (int64_t v = 0; v < ROWS; ++v) store(scores + j * kRowBlock + v * LANES, acc[j][v]);
 }
 
-// The chunk's own K/V as computed, [n, KVH, D] with its strides: keys from `first` on are read here, not from the
-// cache (which holds them rounded to the cache's dtype, float16 under a float32 model)
-template <typename T>
-struct ChunkKV {
-  const T* k;
-  const T* v;
-  int64_t k_stride_t, k_stride_h, v_stride_t, v_stride_h, first;
+// out_t[i, :] += sum_j p[j, :] values[j, i] for DIMS dimensions over `keys` keys: per key, a broadcast value element
+// against each vector of probabilities p [keys][kRowBlock]
+template <int64_t DIMS, int64_t ROWS>
+inline void weigh_dims(const float* values, const float* p, float* out_t, int64_t keys, int64_t head_dim) {
+  floatv acc[DIMS][ROWS];
+  for (int64_t i = 0; i < DIMS; ++i)
+    for (int64_t v = 0; v < ROWS; ++v) acc[i][v] = load(out_t + i * kRowBlock + v * LANES);
+  for (int64_t j = 0; j < keys; ++j) {
+    floatv w[ROWS];
+    for (int64_t v = 0; v < ROWS; ++v) w[v] = load(p + j * kRowBlock + v * LANES);
+    for (int64_t i = 0; i < DIMS; ++i) {
+      const floatv x = broadcast(values + j * head_dim + i);
+      for (int64_t v = 0; v < ROWS; ++v) acc[i][v] += x * w[v];
+    }
+  }
+  for (int64_t i = 0; i < DIMS; ++i)
+    for (int64_t v = 0; v < ROWS; ++v) store(out_t + i * kRowBlock + v * LANES, acc[i][v]);
+}
 
-  const T* key(int64_t t, int64_t h) const { return k + (t - first) * k_stride_t + h * k_stride_h; }
-  const T* value(int64_t t, int64_t h) const { return v + (t - first) * v_stride_t + h * v_stride_h; }
+template <typename S>
+inline void to_float(const S* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += LANES) store(dst + i, load(src + i));
+}
+
+// dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 8: rows to lanes and back, 8 x 8 at a time
+inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+#if defined(__AVX__)
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+#else
+  for (int64_t r = 0; r < 8; ++r)
+    for (int64_t c = 0; c < 8; ++c) dst[c * dst_stride + r] = src[r * src_stride + c];
+#endif
+}
+
+// One block of an item's rows, one per lane: the queries (scaled) and unnormalised output [head_dim][kRowBlock],
+// each lane's running max and softmax denominator and its visible keys [lo, hi]; rows [r0, r0 + n) of the item,
+// visiting keys [begin, end)
+struct RowBlock {
+  std::vector<float> q_t, out_t;
+  floatv max[kRowVectors], denom[kRowVectors];
+  intv lo[kRowVectors], hi[kRowVectors];
+  int64_t r0, n, begin, end;
+
+  int64_t vectors() const { return (n + LANES - 1) / LANES; }
+
+  // Online softmax over one tile of scores s [keys][kRowBlock] (keys t0 ..), lane by lane: mask, new max,
+  // probabilities in place, the denominator and the output rescaled. A lane that has seen no visible key yet keeps
+  // max -inf and weighs zeros.
+  template <int64_t ROWS>
+  void softmax(float* scores, int64_t t0, int64_t keys, int64_t head_dim) {
+    for (int64_t v = 0; v < ROWS; ++v) {
+      float* s = scores + v * LANES;
+      if (t0 < lo[v][LANES - 1] || t0 + keys - 1 > hi[v][0])  // a key hidden from some lane (positions rise by lane)
+        for (int64_t j = 0; j < keys; ++j) {
+          const intv t = splat_int(static_cast<int32_t>(t0 + j));
+          store(s + j * kRowBlock, (t < lo[v]) | (t > hi[v]) ? splat(kNegInf) : load(s + j * kRowBlock));
+        }
+      floatv m = max[v];
+      for (int64_t j = 0; j < keys; ++j) {
+        const floatv x = load(s + j * kRowBlock);
+        m = x > m ? x : m;
+      }
+      const floatv shift = m == kNegInf ? floatv{} : m;
+      const floatv alpha = exp_lanes(max[v] - shift);  // 0 for a lane's first visible keys, 1 where the max held
+      floatv sum{};
+      for (int64_t j = 0; j < keys; ++j) {
+        const floatv p = exp_lanes(load(s + j * kRowBlock) - shift);
+        store(s + j * kRowBlock, p);
+        sum += p;
+      }
+      denom[v] = denom[v] * alpha + sum;
+      max[v] = m;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        float* o = out_t.data() + d * kRowBlock + v * LANES;
+        store(o, load(o) * alpha);
+      }
+    }
+  }
 };
 
-// scores[r, :] = q_r . keys for ROWS rows: one broadcast query value against each vector of keys per dimension
-template <int64_t ROWS>
-inline void score_rows(const float* q, const float* keys_t, float* scores, int64_t head_dim) {
-  floatv acc[ROWS][kTileVectors] = {};
-  for (int64_t d = 0; d < head_dim; ++d) {
-    floatv k[kTileVectors];
-    for (int64_t v = 0; v < kTileVectors; ++v) k[v] = load(keys_t + d * kKeyTile + v * LANES);
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const floatv x = splat(q[r * head_dim + d]);
-      for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] += x * k[v];
-    }
+// f(std::integral_constant<int64_t, ROWS>{}) for ROWS = `vectors`, 1 to kRowVectors
+template <typename F>
+inline void with_row_vectors(int64_t vectors, F&& f) {
+  static_assert(kRowVectors == 3);
+  switch (vectors) {
+    case 1: f(std::integral_constant<int64_t, 1>{}); break;
+    case 2: f(std::integral_constant<int64_t, 2>{}); break;
+    default: f(std::integral_constant<int64_t, 3>{}); break;
   }
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t v = 0; v < kTileVectors; ++v) store(scores + r * kKeyTile + v * LANES, acc[r][v]);
 }
 
-// out[r, c0:c0+CHUNKS] += sum_j p[r, j] values[j, c0:c0+CHUNKS] for ROWS rows, over the `keys` live keys
-template <int64_t ROWS, int64_t CHUNKS>
-inline void weigh_rows(const float* p, const float* values, float* out, int64_t keys, int64_t head_dim, int64_t c0) {
-  floatv acc[ROWS][CHUNKS];
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < CHUNKS; ++c) acc[r][c] = load(out + r * head_dim + (c0 + c) * LANES);
-  for (int64_t j = 0; j < keys; ++j) {
-    floatv v[CHUNKS];
-    for (int64_t c = 0; c < CHUNKS; ++c) v[c] = load(values + j * head_dim + (c0 + c) * LANES);
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const floatv x = splat(p[r * kKeyTile + j]);
-      for (int64_t c = 0; c < CHUNKS; ++c) acc[r][c] += x * v[c];
-    }
-  }
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < CHUNKS; ++c) store(out + r * head_dim + (c0 + c) * LANES, acc[r][c]);
-}
-
-// One key tile as float32 (keys transposed: keys in lanes; values as rows) and the item's queries, scaled.
-template <typename C>
-struct FloatTile {
+// A thread's work space: an item's blocks of rows, and a segment of its keys and values as float32 rows
+struct FlashRows {
   int64_t head_dim;
-  std::vector<float> keys, values, q;  // [head_dim][kKeyTile], [kKeyTile][head_dim], [rows][head_dim]
+  std::vector<RowBlock> blocks;
+  std::vector<float> keys, values;   // [kKeySegment][head_dim]
+  std::vector<float> probs, staged;  // [kKeyTile][kRowBlock]: scores, then probabilities; [kRowBlock][head_dim]
 
-  explicit FloatTile(int64_t head_dim) : head_dim(head_dim), keys(head_dim * kKeyTile), values(kKeyTile * head_dim) {}
+  explicit FlashRows(int64_t head_dim)
+      : head_dim(head_dim), keys(kKeySegment * head_dim), values(kKeySegment * head_dim),
+        probs(kKeyTile * kRowBlock), staged(kRowBlock * head_dim) {}
 
-  // rows of `group` heads per position, `stride` apart; returns the factor the scores still need
-  template <typename T>
-  float set_queries(const T* src, int64_t positions, int64_t stride, int64_t group, float scale) {
-    q.resize(positions * group * head_dim);
-    for (int64_t i = 0; i < positions; ++i)
-      for (int64_t x = 0; x < group * head_dim; ++x)
-        q[i * group * head_dim + x] = static_cast<float>(src[i * stride + x]) * scale;
-    return 1.f;
-  }
-
-  template <typename S>
-  void load_key(const S* k_row, const S* v_row, int64_t j) {
-    for (int64_t c = 0; c < head_dim; c += LANES) {
-      store(values.data() + j * head_dim + c, load(v_row + c));
-      const floatv k = load(k_row + c);
-      for (int64_t i = 0; i < LANES; ++i) keys[(c + i) * kKeyTile + j] = k[i];
-    }
-  }
-
-  // keys [t0, t0 + kKeyTile) of kv head h: cached context from the cache, the chunk's own as computed; those at or
-  // past `end` read as zeros (their -inf scores never weigh)
-  template <typename T>
-  void load_keys(const C* k_cache, const C* v_cache, const int64_t* table, int64_t h, int64_t t0, int64_t end,
-                 int64_t num_blocks, int64_t block_size, const ChunkKV<T>& chunk) {
-    std::fill(keys.begin(), keys.end(), 0.f);
-    for (int64_t j = 0; j < kKeyTile; ++j) {
-      const int64_t t = t0 + j;
-      if (t >= end) {
-        std::fill(values.data() + j * head_dim, values.data() + (j + 1) * head_dim, 0.f);
-      } else if (t >= chunk.first) {
-        load_key(chunk.key(t, h), chunk.value(t, h), j);
+  // keys [begin, end) of kv head h: the cached context from the cache, the chunk's own as computed
+  template <typename T, typename C>
+  void gather(const C* k_cache, const C* v_cache, const int64_t* table, int64_t h, int64_t begin, int64_t end,
+              int64_t num_blocks, int64_t block_size, const ChunkKV<T>& chunk) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* k = keys.data() + (t - begin) * head_dim;
+      float* v = values.data() + (t - begin) * head_dim;
+      if (t >= chunk.first) {
+        to_float(chunk.key(t, h), k, head_dim);
+        to_float(chunk.value(t, h), v, head_dim);
       } else {
         const int64_t offset = key_offset(table, h, t, num_blocks, block_size, head_dim);
-        load_key(k_cache + offset, v_cache + offset, j);
+        to_float(k_cache + offset, k, head_dim);
+        to_float(v_cache + offset, v, head_dim);
       }
     }
   }
 
-  void score(int64_t rows, float* scores) const {
-    in_blocks<kScoreRows>(rows, [&](auto n, int64_t r) {
-      score_rows<decltype(n)::value>(q.data() + r * head_dim, keys.data(), scores + r * kKeyTile, head_dim);
-    });
+  // rows [r0, r0 + n) of an item into block b, row r at position first_pos + r / group, query head r % group of the
+  // group at q[r / group * q_stride + r % group * head_dim]; the lanes past n (to a whole vector) repeat the last
+  // row's position over zeros. `first_tile`: where a position's first key tile starts.
+  template <typename T, typename F>
+  void load_rows(int64_t b, const T* q, int64_t q_stride, int64_t group, int64_t r0, int64_t n, int64_t first_pos,
+                 int64_t window, float scale, F&& first_tile) {
+    if (static_cast<int64_t>(blocks.size()) <= b) blocks.resize(b + 1);
+    RowBlock& block = blocks[b];
+    block.q_t.resize(head_dim * kRowBlock);
+    block.out_t.assign(head_dim * kRowBlock, 0.f);
+    block.r0 = r0, block.n = n;
+    block.begin = first_tile(first_pos + r0 / group), block.end = first_pos + (r0 + n - 1) / group + 1;
+    const int64_t lanes = block.vectors() * LANES;
+    std::fill(staged.data() + n * head_dim, staged.data() + lanes * head_dim, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* src = q + (r0 + i) / group * q_stride + (r0 + i) % group * head_dim;
+      for (int64_t d = 0; d < head_dim; d += LANES) store(staged.data() + i * head_dim + d, load(src + d) * scale);
+    }
+    for (int64_t i = 0; i < lanes; i += 8)
+      for (int64_t d = 0; d < head_dim; d += 8)
+        transpose8(staged.data() + i * head_dim + d, head_dim, block.q_t.data() + d * kRowBlock + i, kRowBlock);
+    for (int64_t i = 0; i < lanes; ++i) {
+      const int64_t pos = first_pos + (r0 + std::min(i, n - 1)) / group;
+      block.hi[i / LANES][i % LANES] = static_cast<int32_t>(pos);
+      block.lo[i / LANES][i % LANES] = static_cast<int32_t>(window > 0 ? pos - window + 1 : 0);
+    }
+    for (int64_t v = 0; v < kRowVectors; ++v) block.max[v] = splat(kNegInf), block.denom[v] = floatv{};
   }
 
-  // out[r] += p[r] . values for every row over the `live` keys (p: probabilities [rows][kKeyTile])
-  void weigh(int64_t rows, const float* p, float* out, int64_t live) const {
-    in_blocks<kOutputRows>(rows, [&](auto n, int64_t r) {
-      in_blocks<kOutputChunks>(head_dim / LANES, [&](auto chunks, int64_t c) {
-        weigh_rows<decltype(n)::value, decltype(chunks)::value>(p + r * kKeyTile, values.data(), out + r * head_dim,
-                                                                live, head_dim, c);
+  // block b's output rows divided by their denominators, to out[r / group * row_stride + r % group * head_dim]
+  template <typename T>
+  void store_rows(int64_t b, T* out, int64_t row_stride, int64_t group) {
+    RowBlock& block = blocks[b];
+    const int64_t lanes = block.vectors() * LANES;
+    for (int64_t v = 0; v < block.vectors(); ++v) {
+      const floatv inv = splat(1.f) / block.denom[v];
+      for (int64_t d = 0; d < head_dim; ++d) {
+        float* o = block.out_t.data() + d * kRowBlock + v * LANES;
+        store(o, load(o) * inv);
+      }
+    }
+    for (int64_t i = 0; i < lanes; i += 8)
+      for (int64_t d = 0; d < head_dim; d += 8)
+        transpose8(block.out_t.data() + d * kRowBlock + i, kRowBlock, staged.data() + i * head_dim + d, head_dim);
+    for (int64_t i = 0; i < block.n; ++i) {
+      T* dst = out + (block.r0 + i) / group * row_stride + (block.r0 + i) % group * head_dim;
+      for (int64_t d = 0; d < head_dim; d += LANES) store(dst + d, load(staged.data() + i * head_dim + d));
+    }
+  }
+
+  // block b (ROWS vectors of rows) against its keys in the gathered segment [first, last): tiles of kKeyTile from
+  // multiples of it
+  template <int64_t ROWS>
+  void attend(int64_t b, int64_t first, int64_t last) {
+    RowBlock& block = blocks[b];
+    for (int64_t t0 = std::max(first, block.begin); t0 < std::min(last, block.end); t0 += kKeyTile) {
+      const int64_t n = std::min({kKeyTile, last - t0, block.end - t0});
+      const float* k = keys.data() + (t0 - first) * head_dim;
+      const float* v = values.data() + (t0 - first) * head_dim;
+      in_blocks<kScoreKeys>(n, [&](auto keys_block, int64_t j) {
+        score_keys<decltype(keys_block)::value, ROWS>(k + j * head_dim, block.q_t.data(),
+                                                      probs.data() + j * kRowBlock, head_dim);
       });
-    });
-  }
-};
-
-#if defined(__AVX512BF16__)
-// scores[r, :] = q_r . keys for ROWS rows, two dimensions per instruction: a broadcast (q[2i], q[2i+1]) against
-// the vectors of (k[2i], k[2i+1]) pairs
-template <int64_t ROWS>
-inline void score_rows_bf16(const uint32_t* q, const uint32_t* keys, float* scores, int64_t pairs) {
-  __m512 acc[ROWS][kTileVectors];
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < pairs; ++i) {
-    __m512bh k[kTileVectors];
-    for (int64_t v = 0; v < kTileVectors; ++v) k[v] = (__m512bh)_mm512_loadu_si512(keys + i * kKeyTile + v * LANES);
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * pairs + i]));
-      for (int64_t v = 0; v < kTileVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, k[v]);
-    }
-  }
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t v = 0; v < kTileVectors; ++v) _mm512_storeu_ps(scores + r * kKeyTile + v * LANES, acc[r][v]);
-}
-
-// out[r, c0:c0+CHUNKS] += sum_j p[r, j] values[j, c0:c0+CHUNKS], two keys per instruction: a broadcast
-// (p[2j], p[2j+1]) against the vectors of (v[2j], v[2j+1]) pairs
-template <int64_t ROWS, int64_t CHUNKS>
-inline void weigh_rows_bf16(const uint32_t* p, const uint32_t* values, float* out, int64_t key_pairs,
-                            int64_t head_dim, int64_t c0) {
-  __m512 acc[ROWS][CHUNKS];
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < CHUNKS; ++c) acc[r][c] = _mm512_loadu_ps(out + r * head_dim + (c0 + c) * LANES);
-  for (int64_t j = 0; j < key_pairs; ++j) {
-    __m512bh v[CHUNKS];
-    for (int64_t c = 0; c < CHUNKS; ++c) v[c] = (__m512bh)_mm512_loadu_si512(values + j * head_dim + (c0 + c) * LANES);
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * kKeyTile / 2 + j]));
-      for (int64_t c = 0; c < CHUNKS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, v[c]);
-    }
-  }
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out + r * head_dim + (c0 + c) * LANES, acc[r][c]);
-}
-
-// One key tile in bfloat16 pairs: keys [head_dim / 2][kKeyTile] (dimensions 2i, 2i+1 of a key in one 32-bit lane),
-// values [kKeyTile / 2][head_dim] (keys 2j, 2j+1 of a dimension in one lane); the queries as they are, in pairs.
-struct Bf16Tile {
-  int64_t head_dim;
-  std::vector<uint32_t> keys, values, q, p;  // ..., [rows][head_dim / 2], probabilities [rows][kKeyTile / 2]
-
-  explicit Bf16Tile(int64_t head_dim)
-      : head_dim(head_dim), keys(head_dim / 2 * kKeyTile), values(kKeyTile / 2 * head_dim) {}
-
-  float set_queries(const c10::BFloat16* src, int64_t positions, int64_t stride, int64_t group, float scale) {
-    const int64_t row = group * head_dim / 2;  // one position's rows, in pairs
-    q.resize(positions * row);
-    for (int64_t i = 0; i < positions; ++i) std::memcpy(q.data() + i * row, src + i * stride, row * sizeof(uint32_t));
-    return scale;  // exact products of the bfloat16 values, scaled after
-  }
-
-  // the chunk's keys from the cache too: a bfloat16 cache holds them exactly as computed
-  void load_keys(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t h,
-                 int64_t t0, int64_t end, int64_t num_blocks, int64_t block_size, const ChunkKV<c10::BFloat16>&) {
-    const int64_t pairs = head_dim / 2;
-    for (int64_t j = 0; j < kKeyTile; ++j) {
-      const bool live = t0 + j < end;
-      const int64_t offset = live ? key_offset(table, h, t0 + j, num_blocks, block_size, head_dim) : 0;
-      const uint32_t* k_row = reinterpret_cast<const uint32_t*>(k_cache + offset);
-      const uint16_t* v_row = reinterpret_cast<const uint16_t*>(v_cache + offset);
-      uint16_t* v_dst = reinterpret_cast<uint16_t*>(values.data() + (j / 2) * head_dim) + j % 2;
-      for (int64_t i = 0; i < pairs; ++i) keys[i * kKeyTile + j] = live ? k_row[i] : 0u;
-      for (int64_t d = 0; d < head_dim; ++d) v_dst[2 * d] = live ? v_row[d] : 0;
-    }
-  }
-
-  void score(int64_t rows, float* scores) const {
-    const int64_t pairs = head_dim / 2;
-    in_blocks<kScoreRows>(rows, [&](auto n, int64_t r) {
-      score_rows_bf16<decltype(n)::value>(q.data() + r * pairs, keys.data(), scores + r * kKeyTile, pairs);
-    });
-  }
-
-  void weigh(int64_t rows, const float* probabilities, float* out, int64_t live) {
-    p.resize(rows * kKeyTile / 2);
-    for (int64_t r = 0; r < rows; ++r) {  // the probabilities rounded to bfloat16, in key order
-      const float* src = probabilities + r * kKeyTile;
-      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + LANES), _mm512_loadu_ps(src));
-      _mm512_storeu_si512(p.data() + r * kKeyTile / 2, (__m512i)pair);
-    }
-    const int64_t key_pairs = (live + 1) / 2;
-    in_blocks<kOutputRows>(rows, [&](auto n, int64_t r) {
-      in_blocks<kOutputChunks>(head_dim / LANES, [&](auto chunks, int64_t c) {
-        weigh_rows_bf16<decltype(n)::value, decltype(chunks)::value>(p.data() + r * kKeyTile / 2, values.data(),
-                                                                     out + r * head_dim, key_pairs, head_dim, c);
+      block.softmax<ROWS>(probs.data(), t0, n, head_dim);
+      in_blocks<kValueDims>(head_dim, [&](auto dims, int64_t d) {
+        weigh_dims<decltype(dims)::value, ROWS>(v + d, probs.data(), block.out_t.data() + d * kRowBlock, n,
+                                                head_dim);
       });
-    });
-  }
-};
-#endif
-
-struct Rows {  // one work item's rows: row r is position first + r / group, query head h * group + r % group
-  std::vector<float> out, scores;  // [rows][head_dim], [rows][kKeyTile]
-  std::vector<float> max, denom;   // [rows]
-};
-
-// Online softmax over one tile for row r (position `pos`): scale, mask, new max, rescale, probabilities in place.
-inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t window, float scale,
-                        int64_t head_dim) {
-  float* s = rows.scores.data() + r * kKeyTile;
-  if (scale != 1.f)
-    for (int64_t v = 0; v < kTileVectors; ++v) store(s + v * LANES, load(s + v * LANES) * scale);
-  const int64_t lo = window > 0 ? pos - window + 1 : 0;  // keys [lo, pos] are visible
-  if (t0 < lo || t0 + kKeyTile - 1 > pos)
-    for (int64_t j = 0; j < kKeyTile; ++j)
-      if (t0 + j < lo || t0 + j > pos) s[j] = kNegInf;
-  floatv m = load(s);
-  for (int64_t v = 1; v < kTileVectors; ++v) {
-    const floatv x = load(s + v * LANES);
-    m = x > m ? x : m;
-  }
-  const float tile_max = max_lanes(m);
-  if (tile_max == kNegInf) {  // nothing visible in this tile
-    std::fill(s, s + kKeyTile, 0.f);
-    return;
-  }
-  const float old_max = rows.max[r], new_max = std::max(old_max, tile_max);
-  floatv sum{};
-  for (int64_t v = 0; v < kTileVectors; ++v) {
-    const floatv p = exp_lanes(load(s + v * LANES) - new_max);
-    store(s + v * LANES, p);
-    sum += p;
-  }
-  if (new_max > old_max) {
-    const float alpha = old_max == kNegInf ? 0.f : std::exp(old_max - new_max);
-    rows.denom[r] *= alpha;
-    float* o = rows.out.data() + r * head_dim;
-    for (int64_t c = 0; c < head_dim; c += LANES) store(o + c, load(o + c) * alpha);
-    rows.max[r] = new_max;
-  }
-  rows.denom[r] += sum_lanes(sum);
-}
-
-// One chunk of the packed batch: rows [start, start + n) of q, k, v and the output, `num_computed` tokens cached
-// before it, its block table
-struct Chunk {
-  int64_t start, n, num_computed;
-  const int64_t* table;
-};
-
-// A work item's chunk and block of query positions, and the keys it visits (its cost)
-struct QueryBlock {
-  int64_t chunk, first, keys;
-};
-
-// Every chunk's blocks of kQueryBlock positions, costliest first (the order in which the threads take them)
-inline std::vector<QueryBlock> query_blocks(const std::vector<Chunk>& chunks, int64_t window) {
-  std::vector<QueryBlock> blocks;
-  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
-    for (int64_t first = 0; first < chunks[c].n; first += kQueryBlock) {
-      const int64_t first_pos = chunks[c].num_computed + first;
-      const int64_t end = first_pos + std::min(kQueryBlock, chunks[c].n - first);
-      const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-      blocks.push_back({c, first, end - begin});
     }
-  std::stable_sort(blocks.begin(), blocks.end(), [](const QueryBlock& a, const QueryBlock& b) {
-    return a.keys > b.keys;
-  });
-  return blocks;
-}
+  }
+};
 
-// T: the queries' and output's dtype; C: the caches'; Tile: FloatTile<C> or Bf16Tile. q rows `q_stride` apart (the
-// heads of a position contiguous); k, v: the packed chunks' own K/V, `kv` with its strides and first = 0.
-template <typename Tile, typename T, typename C>
+// T: the queries' and output's dtype; C: the caches'. q rows `q_stride` apart (the heads of a position contiguous);
+// k, v: the packed chunks' own K/V, `kv` with its strides and first = 0.
+template <typename T, typename C>
 void prefill_kernel(const T* q, int64_t q_stride, const ChunkKV<T>& kv, const C* k_cache, const C* v_cache,
                     const std::vector<Chunk>& chunks, T* out, int64_t num_heads, int64_t num_kv_heads,
                     int64_t num_blocks, int64_t block_size, int64_t head_dim, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const std::vector<QueryBlock> blocks = query_blocks(chunks, window);
   const int64_t items = static_cast<int64_t>(blocks.size()) * num_kv_heads;
+  // a row's first tile starts at a multiple of kKeyTile below its first visible key: tiles at fixed positions
+  const auto first_tile = [&](int64_t pos) {
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) / kKeyTile * kKeyTile : 0;
+  };
   std::atomic<int64_t> next{0};
   inferno::parallel_for(0, std::min<int64_t>(inferno::num_threads(), items), 1, [&](int64_t, int64_t) {
-    Tile tile(head_dim);
-    Rows rows;
+    FlashRows rows(head_dim);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const QueryBlock& block = blocks[item / num_kv_heads];
       const Chunk& c = chunks[block.chunk];
       const int64_t h = item % num_kv_heads, first = block.first;
       const int64_t count = std::min(kQueryBlock, c.n - first), num_rows = count * group;
+      const int64_t first_pos = c.num_computed + first, end = first_pos + count;  // keys [.., end) are needed
       // the chunk's own keys from its first position on, read where it starts in the packed k, v
       const ChunkKV<T> chunk{kv.k + c.start * kv.k_stride_t, kv.v + c.start * kv.v_stride_t, kv.k_stride_t,
                              kv.k_stride_h, kv.v_stride_t, kv.v_stride_h, c.num_computed};
-      // the group's heads of a position are adjacent in q
-      const float score_scale = tile.set_queries(q + (c.start + first) * q_stride + h * group * head_dim, count,
-                                                 q_stride, group, scale);
-      rows.out.assign(num_rows * head_dim, 0.f);
-      rows.scores.resize(num_rows * kKeyTile);
-      rows.max.assign(num_rows, kNegInf);
-      rows.denom.assign(num_rows, 0.f);
-      const int64_t first_pos = c.num_computed + first, end = first_pos + count;  // keys [.., end) are needed
-      const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-      for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
-        tile.load_keys(k_cache, v_cache, c.table, h, t0, end, num_blocks, block_size, chunk);
-        tile.score(num_rows, rows.scores.data());
-        for (int64_t r = 0; r < num_rows; ++r)
-          softmax_row(rows, r, first_pos + r / group, t0, window, score_scale, head_dim);
-        tile.weigh(num_rows, rows.scores.data(), rows.out.data(), std::min(kKeyTile, end - t0));
+      // the group's heads of a position are adjacent in q and out
+      const T* q_item = q + (c.start + first) * q_stride + h * group * head_dim;
+      T* out_item = out + ((c.start + first) * num_heads + h * group) * head_dim;
+      const int64_t row_blocks = (num_rows + kRowBlock - 1) / kRowBlock;
+      for (int64_t b = 0; b < row_blocks; ++b)
+        rows.load_rows(b, q_item, q_stride, group, b * kRowBlock, std::min(kRowBlock, num_rows - b * kRowBlock),
+                       first_pos, window, scale, first_tile);
+      for (int64_t segment = first_tile(first_pos); segment < end; segment += kKeySegment) {
+        const int64_t last = std::min(segment + kKeySegment, end);
+        rows.gather(k_cache, v_cache, c.table, h, segment, last, num_blocks, block_size, chunk);
+        for (int64_t b = 0; b < row_blocks; ++b)
+          with_row_vectors(rows.blocks[b].vectors(),
+                           [&](auto vectors) { rows.attend<decltype(vectors)::value>(b, segment, last); });
       }
-      for (int64_t i = 0; i < count; ++i) {
-        T* dst = out + ((c.start + first + i) * num_heads + h * group) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = i * group + g;
-          const float inv = 1.f / rows.denom[r];
-          for (int64_t d = 0; d < head_dim; ++d)
-            dst[g * head_dim + d] = static_cast<T>(rows.out[r * head_dim + d] * inv);
-        }
-      }
+      for (int64_t b = 0; b < row_blocks; ++b) rows.store_rows(b, out_item, num_heads * head_dim, group);
     }
   });
 }
@@ -401,15 +345,19 @@ void paged_prefill_attention(const View& q, const View& k, const View& v, const 
   dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
-#if defined(__AVX512BF16__)
-    using Tile = std::conditional_t<std::is_same_v<C, c10::BFloat16>, Bf16Tile, FloatTile<C>>;
-#else
-    using Tile = FloatTile<C>;
-#endif
     const ChunkKV<T> kv{k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), 0};
-    prefill_kernel<Tile, T, C>(q.data_ptr<T>(), q.stride(0), kv, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), chunks,
-                               out.data_ptr<T>(), q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2),
-                               q.size(2), static_cast<float>(scale), window);
+    const auto run = [&](auto kernel) {
+      kernel(q.data_ptr<T>(), q.stride(0), kv, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), chunks,
+             out.data_ptr<T>(), q.size(1), k_cache.size(0), k_cache.size(1), k_cache.size(2), q.size(2),
+             static_cast<float>(scale), window);
+    };
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<C, c10::BFloat16>) {
+      run(bf16::prefill_kernel);
+      return;
+    }
+#endif
+    run(&prefill_kernel<T, C>);
   });
 }
 
