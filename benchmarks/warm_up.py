@@ -2,8 +2,8 @@
 decode step, decode speed over time, and the slowest step while the engine warms up.
 
 Each start is a new process (`python warm_up.py --child ...`) that builds an `LLMEngine` with the defaults and
-decodes one greedy request of --max-tokens after another, timing every engine step from the command (the parent's
-clock before it starts the process). The first start gets an empty compile cache (INFERNO_COMPILE_CACHE, a new
+decodes one greedy request of --max-tokens after another (--gap seconds apart), timing every engine step from the
+command (the parent's clock before it starts the process). The first start gets an empty compile cache (INFERNO_COMPILE_CACHE, a new
 folder), the second start the folder the first one filled. A step slower than --stall seconds gets every thread's
 Python stack dumped to the child's stderr while it is still running (faulthandler, which needs no GIL), so a stall
 shows what the warm-up thread was doing. Results print as a table and replace the `warm_up` section of --output.
@@ -54,6 +54,7 @@ def child(args: argparse.Namespace) -> None:
                 compiled_at = end - args.launched
         if compiled_at is not None and time.time() - args.launched > compiled_at + args.after:
             break
+        time.sleep(args.gap)
     print(json.dumps({"steps": steps, "compiled_at": compiled_at}))
 
 
@@ -65,7 +66,7 @@ def run_start(args: argparse.Namespace, cache: str) -> dict:
         env.pop(name, None)
     command = [sys.executable, __file__, "--child", "--model", args.model, "--launched", "0",
                "--duration", str(args.duration), "--after", str(args.after), "--max-tokens", str(args.max_tokens),
-               "--stall", str(args.stall)]
+               "--stall", str(args.stall), "--gap", str(args.gap)]
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
         command[command.index("--launched") + 1] = repr(time.time())
         out = subprocess.run(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -104,6 +105,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=400.0, help="seconds a start may run at most")
     p.add_argument("--after", type=float, default=20.0, help="seconds to go on decoding once compiled")
     p.add_argument("--window", type=float, default=10.0, help="seconds per decode-speed bucket")
+    p.add_argument("--gap", type=float, default=0.0, help="seconds between one request's end and the next one "
+                   "(0: back to back, the serving thread always busy; the issue's user sent one every 2-3 s)")
     p.add_argument("--stall", type=float, default=1.0, help="a step longer than this dumps every thread's stack")
     p.add_argument("--cache", default=None, help="compile cache folder for the first start (default: a new one)")
     p.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")), help="'' to skip")
@@ -128,8 +131,8 @@ def main() -> None:
              f"- Machine: {os.cpu_count()} CPU cores ({cpu_name()}), {args.num_threads} threads; load average "
              f"{os.getloadavg()[0]:.1f} at the end",
              f"- Command (from benchmarks/): `{command}`; model {Path(args.model).name}",
-             f"- One greedy {args.max_tokens}-token request after another from the command on, every step timed; "
-             "times from the command",
+             f"- One greedy {args.max_tokens}-token request after another ({args.gap:g} s apart) from the command on, "
+             "every step timed; times from the command",
              "", "| start | compiled decode from | slowest step before it | slowest step | steady decode | "
              "first token | decode tok/s over time |", "|---|---:|---:|---:|---:|---:|---|"]
     for name, compiled, slowest_warm, slowest, steady, first, speeds in rows:
