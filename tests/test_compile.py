@@ -1,7 +1,7 @@
-"""The torch.compile'd decode step (one graph for every batch size) computes what the eager one does, at batch 1 and
-batched; it is compiled in the background and the engine switches to it between steps without changing a token. A
-tiny random llama stands in for the default model: compiling the default model's 30 layers costs minutes, and the
-graph is the same per layer."""
+"""The torch.compile'd decode step computes what the eager one does, at batch 1 and with dynamic batch sizes; it is
+compiled in the background and the engine switches to it between steps without changing a token. A tiny random llama
+stands in for the default model: compiling the default model's 30 layers costs minutes, and the graphs are the same
+per layer."""
 import threading
 from dataclasses import replace
 
@@ -61,9 +61,9 @@ def test_compiled_decode_matches_eager(model, engine_args):
     assert runner.scratch_block == compiled.llm_engine.num_blocks
     for attn in runner.model.attention_layers:
         assert not attn.k_cache[:, :runner.scratch_block].any() and attn.k_cache[:, runner.scratch_block].any()
-    graphs = counters["stats"]["unique_graphs"]  # compiled (or loaded) by the warm-up: one graph for every batch size
+    graphs = counters["stats"]["unique_graphs"]  # compiled by the warm-up: one request, and any batch
     steps = runner.compiled_decode
-    for prompts in (PROMPTS[:1], PROMPTS):  # batch 1, then batches of 3 and fewer (the same graph)
+    for prompts in (PROMPTS[:1], PROMPTS):  # batch 1 (a specialised graph), then a dynamic batch size
         before = steps.num_compiled_steps
         for ref, out in zip(generate(eager, prompts), generate(compiled, prompts)):
             assert_identical(ref, out)

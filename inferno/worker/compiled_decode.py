@@ -1,8 +1,6 @@
-"""The CPU decode step compiled ahead of time: one graph for every batch size, one sequence included (one more with
-LoRA adapters), captured by dynamo and built by inductor once (`torch.compile(...).aot_compile`), then saved as a
-precompiled artifact, so a later start loads it without tracing the model, building guards or looking anything up in
-inductor's caches. A graph of its own for one sequence (dynamo specialises a size of 1) doubled the trace, the C++
-build and the load.
+"""The CPU decode step compiled ahead of time: two graphs (one sequence; small batches; two more with LoRA adapters)
+captured by dynamo and built by inductor once (`torch.compile(...).aot_compile`), then saved as a precompiled artifact, so a later start loads
+them without tracing the model, building guards or looking anything up in inductor's caches.
 
 The graphs take the model and its attention backend as arguments: the weights and KV caches are inputs, read from
 the objects given at every call, not constants. Only the batch size and the block-table width are dynamic;
@@ -23,7 +21,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx.experimental import _config as fx_config
 
 from inferno.layers.fused_cpu import resolve_fused_ops
 from inferno.layers.lora import LoRAMapping, LoRAStack
@@ -32,13 +29,11 @@ from inferno.worker.compile_cache import compile_cache_hits
 logger = logging.getLogger("inferno")
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-# the graphs, by name: whether their rows run LoRA adapters. Each serves every batch size, one included: it is traced at
-# TRACE_BATCH rows with sizes that dynamo does not specialise at 0 or 1 (`backed_size_oblivious`). A model with LoRA
-# stacks (model/lora.py) gets one more, whose steps name each row's adapter slot (an input: changing adapters
-# recompiles nothing).
-GRAPHS = {"any batch": False}
-LORA_GRAPHS = {"any batch with LoRA adapters": True}
-TRACE_BATCH = 2
+# the graphs, by name: (batch size they are traced with, whether their rows run LoRA adapters). A batch of one is
+# always specialised by dynamo; any other batch size is a symbol. A model with LoRA stacks (model/lora.py) gets two
+# more, whose steps name each row's adapter slot (an input: changing adapters recompiles nothing).
+GRAPHS = {"one sequence": (1, False), "batches": (2, False)}
+LORA_GRAPHS = {"one sequence with LoRA adapters": (1, True), "batches with LoRA adapters": (2, True)}
 # traces of one graph at most, where floats are specialised one by one (aot_compile)
 MAX_RESTARTS = 8
 # the phases of a compile logged, by dynamo's timers (torch._dynamo.utils.compilation_time_metrics); the rest of it
@@ -54,24 +49,16 @@ def decode_step(model: torch.nn.Module, attention, input_ids: torch.Tensor, posi
     return model(input_ids, positions, attention.decode_metadata(slot_mapping, block_tables, seq_lens), lora=lora)
 
 
-def graphs_of(model: torch.nn.Module) -> dict[str, bool]:
+def graphs_of(model: torch.nn.Module) -> dict[str, tuple[int, bool]]:
     return GRAPHS | (LORA_GRAPHS if any(isinstance(m, LoRAStack) for m in model.modules()) else {})
 
 
 def compile_options() -> dict:
     """Inductor's options for the graphs: fused elementwise code and a C++ wrapper (its ~8 kernel and operator calls
     per layer cost no Python, about 5-10 % of a SmolLM2 decode step on 2 AVX2 cores), loops parallel over the serving
-    thread's count, the vector width named (`vector_width_option`). The wrapper is built apart from the kernels, at
-    -O1 instead of -O3: it is straight-line calls (SmolLM2's, 7,500 lines in one function), where -O3 spent most of
-    the compile; and without precompiled headers (NO_PRECOMPILED_HEADERS)."""
+    thread's count, the vector width named (`vector_width_option`)."""
     return {"emulate_precision_casts": True, "cpp_wrapper": True, "cpp.threads": torch.get_num_threads(),
-            "cpp_wrapper_build_separate": True, **NO_PRECOMPILED_HEADERS, **vector_width_option()}
-
-
-# Inductor precompiles torch's headers (a 140 MB file) into /tmp, outside the compile cache, and every process that
-# builds or even loads a library preprocesses them again to check that file (g++ -E, seconds): a build of one
-# graph's two files gains less than that costs, and loading a precompiled step needs no header at all.
-NO_PRECOMPILED_HEADERS = {"cpp_cache_precompile_headers": False}
+            **vector_width_option()}
 
 
 def import_compiler() -> None:
@@ -104,8 +91,7 @@ def scratch_inputs(batch: int, scratch_block: int, block_size: int, lora: bool =
 
 @dataclass
 class CompiledDecode:
-    """The compiled graphs by name (GRAPHS, LORA_GRAPHS) and how many steps ran on them or, failing their guards,
-    eagerly."""
+    """The compiled graphs by name (GRAPHS) and how many steps ran on them or, failing their guards, eagerly."""
     graphs: dict[str, object]  # torch._dynamo.aot_compile.AOTCompiledFunction
     num_compiled_steps: int = 0
     num_eager_steps: int = 0
@@ -119,7 +105,8 @@ class CompiledDecode:
         it eagerly instead of compiling more graphs mid-serving."""
         if block_tables.shape[1] == 1:  # width 1 would be specialised: pad with an unread block
             block_tables = torch.cat([block_tables, block_tables], dim=1)
-        graph = self.graphs["any batch" if lora_slots is None else "any batch with LoRA adapters"]
+        name = "one sequence" if input_ids.shape[0] == 1 else "batches"
+        graph = self.graphs[name if lora_slots is None else f"{name} with LoRA adapters"]
         args = (model, attention, input_ids, positions, slot_mapping, block_tables, seq_lens, lora_slots)
         if not graph.guard_check(*args):
             self.num_eager_steps += 1
@@ -129,10 +116,10 @@ class CompiledDecode:
 
 
 def compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_size: int) -> CompiledDecode:
-    """The graphs traced and built (from inductor's caches where it has them), each logged with its phases (dynamo's
+    """Both graphs traced and built (from inductor's caches where it has them), each logged with its phases (dynamo's
     timers). The fused elementwise kernels are looked up first: the graphs call the ones the eager steps call."""
     resolve_fused_ops()
-    with fx_patches_on_this_thread_only(), fx_config.patch(backed_size_oblivious=True):
+    with fx_patches_on_this_thread_only():
         return _compile_graphs(model, attention, scratch_block, block_size)
 
 
@@ -140,12 +127,13 @@ def _compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=None,
                              options={"guard_filter_fn": serializable_step_guards, **compile_options()})
     graphs, serialized = {}, {}
-    for name, lora in graphs_of(model).items():
-        inputs = scratch_inputs(TRACE_BATCH, scratch_block, block_size, lora)
+    for name, (batch, lora) in graphs_of(model).items():
+        inputs = scratch_inputs(batch, scratch_block, block_size, lora)
         torch._dynamo.maybe_mark_dynamic(inputs[3], 1)
-        for t in inputs:
-            if t is not None:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+        if batch > 1:
+            for t in inputs:
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         start, hits, before = time.perf_counter(), compile_cache_hits(), phase_seconds()
         graph = aot_compile(compiled, (model, attention, *inputs))
         seconds = time.perf_counter() - start
@@ -180,24 +168,22 @@ def phase_seconds() -> dict[str, float]:
 def load_graphs(serialized: dict[str, bytes]) -> CompiledDecode:
     """The graphs of a precompiled artifact (raises where it cannot be used: another torch or Python, a damaged
     entry). Their C++ libraries come from inductor's cache folder (built again where missing)."""
-    import torch._inductor.config
     from torch._dynamo.aot_compile import AOTCompiledFunction
     # the guards' state names the native operators' namespace as a module, which unpickling imports by name
     sys.modules.setdefault("torch.ops.inferno", torch.ops.inferno)
     graphs = {}
-    with torch._inductor.config.patch(NO_PRECOMPILED_HEADERS):
-        for name in serialized:
-            graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
-            graphs[name].disable_guard_check()
+    for name in serialized:
+        graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
+        graphs[name].disable_guard_check()
     return CompiledDecode(graphs)
 
 
 def warm_up_graphs(compiled: CompiledDecode, model: torch.nn.Module, attention, scratch_block: int,
                    block_size: int) -> None:
-    """Each graph run on the scratch block (its library loaded, its first-call work done before serving); raises
-    where a graph fails or does not take a step of one row or of a few."""
-    for name, lora in graphs_of(model).items():
-        for rows in (1, TRACE_BATCH, TRACE_BATCH + 1):
+    """Each graph run once on the scratch block (its library loaded, its first-call work done before serving); raises
+    where a graph fails or does not take the step it was made for."""
+    for name, (batch, lora) in graphs_of(model).items():
+        for rows in (batch,) if batch == 1 else (batch, batch + 1):  # the batch graph: any size
             if compiled.run(model, attention, *scratch_inputs(rows, scratch_block, block_size, lora)) is None:
                 raise RuntimeError(f"the compiled decode graph for {name} rejects a step of {rows} rows")
     compiled.num_compiled_steps = 0

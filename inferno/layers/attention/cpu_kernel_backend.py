@@ -94,8 +94,5 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
                                                     layer.scale, layer.sliding_window or 0)
 
     def decode(self, layer: Attention, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-        # a copy, not `contiguous()`: whether a view of the projection is contiguous depends on the batch being one
-        # row, which would specialise the compiled decode graph on it (one graph serves every batch size)
-        q = q.clone(memory_format=torch.contiguous_format)
-        return self.kernels.paged_decode_attention(q, layer.k_cache, layer.v_cache, group.block_tables,
+        return self.kernels.paged_decode_attention(q.contiguous(), layer.k_cache, layer.v_cache, group.block_tables,
                                                    group.seq_lens, layer.scale, layer.sliding_window or 0)
