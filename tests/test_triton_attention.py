@@ -1,4 +1,5 @@
-"""The Triton attention kernels (the GPU backend's) agree with dense SDPA; on a CPU under Triton's interpreter."""
+"""The Triton attention kernels (the GPU backend's) agree with dense SDPA: on CUDA when there is a GPU, else on a CPU
+under Triton's interpreter (inputs made on the CPU, the references computed there)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,6 +7,11 @@ import torch.nn.functional as F
 triton_attention = pytest.importorskip("inferno.kernels.triton_attention", reason="triton is not installed")
 
 KV_HEADS, BLOCK, NUM_BLOCKS = 2, 16, 64
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEVICE) for t in tensors]
 
 
 def random_cache(head_dim: int, dtype: torch.dtype):
@@ -41,7 +47,8 @@ def test_decode_matches_reference(dtype, tol, head_dim, heads):
     width = max(-(-n // BLOCK) for n in seq_lens)
     tables = torch.stack([torch.randperm(NUM_BLOCKS)[:width] for _ in seq_lens]).int()
     q = torch.randn(len(seq_lens), heads, head_dim).to(dtype)
-    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens).int(), 0.1)
+    out = triton_attention.paged_decode_attention(*on_device(q, k_cache, v_cache, tables, torch.tensor(seq_lens).int()),
+                                                  0.1).cpu()
     assert out.dtype == dtype
     for b, n in enumerate(seq_lens):
         ref = reference(q[b:b + 1], keys_of(k_cache, tables[b], n), keys_of(v_cache, tables[b], n),
@@ -56,8 +63,8 @@ def test_decode_sliding_window_and_softcap(window, softcap):
     seq_lens = [1, 30, 37, 38, 550]
     tables = torch.stack([torch.randperm(NUM_BLOCKS)[:35] for _ in seq_lens]).int()
     q = torch.randn(len(seq_lens), 4, 64)
-    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens).int(), 0.125,
-                                                  window, softcap)
+    out = triton_attention.paged_decode_attention(*on_device(q, k_cache, v_cache, tables, torch.tensor(seq_lens).int()),
+                                                  0.125, window, softcap).cpu()
     for b, n in enumerate(seq_lens):
         ref = reference(q[b:b + 1], keys_of(k_cache, tables[b], n), keys_of(v_cache, tables[b], n),
                         torch.tensor([n - 1]), window, softcap, 0.125)
@@ -78,8 +85,8 @@ def test_prefill_over_cached_context(dtype, tol, window, softcap):
     tables = torch.stack([torch.randperm(NUM_BLOCKS)[:width] for _ in chunks]).int()
     starts = torch.tensor([0, 5, 12, 82]).int()
     q = torch.randn(82, heads, head_dim).to(dtype)
-    out = triton_attention.paged_prefill_attention(q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens).int(),
-                                                   70, 0.125, window, softcap)
+    out = triton_attention.paged_prefill_attention(
+        *on_device(q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens).int()), 70, 0.125, window, softcap).cpu()
     for i, (context, n) in enumerate(chunks):
         rows = slice(starts[i].item(), starts[i + 1].item())
         ref = reference(q[rows], keys_of(k_cache, tables[i], context + n), keys_of(v_cache, tables[i], context + n),
@@ -89,10 +96,9 @@ def test_prefill_over_cached_context(dtype, tol, window, softcap):
 
 def test_write_kv_fills_slots_and_skips_padding():
     torch.manual_seed(3)
-    k_cache, v_cache = torch.zeros(KV_HEADS, NUM_BLOCKS, BLOCK, 64), torch.zeros(KV_HEADS, NUM_BLOCKS, BLOCK, 64)
-    qkv = torch.randn(5, 4 + 2 * KV_HEADS, 64)  # k and v as strided views of a fused projection, as in the model
-    k, v = qkv[:, 4:4 + KV_HEADS], qkv[:, 4 + KV_HEADS:]
-    slots = torch.tensor([0, 17, 33, -1, 1023])
+    k_cache, v_cache = (torch.zeros(KV_HEADS, NUM_BLOCKS, BLOCK, 64, device=DEVICE) for _ in range(2))
+    qkv, slots = on_device(torch.randn(5, 4 + 2 * KV_HEADS, 64), torch.tensor([0, 17, 33, -1, 1023]))
+    k, v = qkv[:, 4:4 + KV_HEADS], qkv[:, 4 + KV_HEADS:]  # strided views of a fused projection, as in the model
     triton_attention.write_kv(k, v, k_cache, v_cache, slots)
     flat_k, flat_v = k_cache.view(KV_HEADS, -1, 64), v_cache.view(KV_HEADS, -1, 64)
     for t, slot in enumerate(slots.tolist()):

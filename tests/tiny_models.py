@@ -49,14 +49,15 @@ ARCHITECTURES = {
 }
 
 
-def write_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer without merges: token id = byte (then two control tokens)."""
-    tokens = byte_level_tokens()
+def write_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer without merges: token id = byte (then two control tokens); beyond those, up to
+    `vocab_size`, plain-text tokens that encoding never produces but decoding spells out."""
+    tokens = byte_level_tokens() + [f"tok{i}" for i in range(VOCAB, vocab_size)]
     tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": tokens[-1]}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": tokens[VOCAB - 1]}))
 
 
 def write_hf_model(folder: Path, arch: str, **overrides) -> torch.nn.Module:
