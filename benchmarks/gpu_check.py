@@ -259,15 +259,15 @@ def sweep() -> None:
 def summary(out: Path) -> None:
     merged = {"dry_run": DRY, "stages": {}}
     for line in (WORK / "stages.txt").read_text().splitlines() if (WORK / "stages.txt").exists() else []:
-        name, rc, seconds = line.split()
-        merged["stages"][name] = {"rc": int(rc), "seconds": int(seconds), "timed_out": rc in ("124", "137")}
+        name, rc, seconds = line.split()  # rc "skipped": the budget was spent before the stage
+        merged["stages"][name] = {"rc": rc, "seconds": int(seconds), "timed_out": rc in ("124", "137")}
     for file in sorted(WORK.glob("*.json")):
         merged[file.stem] = json.loads(file.read_text())
     if (WORK / "pytest.xml").exists():
         merged["pytest"] = pytest_results(WORK / "pytest.xml")
     out.write_text(json.dumps(merged, indent=1))
     for name, stage in merged["stages"].items():
-        print(f"{name:16} rc {stage['rc']:3} {stage['seconds']:4} s{'  TIMED OUT' if stage['timed_out'] else ''}")
+        print(f"{name:24} rc {stage['rc']:>3} {stage['seconds']:4} s{'  TIMED OUT' if stage['timed_out'] else ''}")
     for section in ("env", "pytest", "throughput_smollm2-135m", "throughput_llama-1b", "decode"):
         for key, value in flatten(merged.get(section, {})):
             print(f"{section}.{key}: {str(value).splitlines()[-1] if value else value}"[:160])
@@ -300,7 +300,7 @@ def best_tiles(sweep: dict) -> dict[str, str]:
             shape, tiles = key.rsplit(".", 1)[0].split(".part" if ".part" in key else ".query")
             groups.setdefault(shape, {})[tiles] = value
     defaults = sweep.get("default_tiles", {})
-    return {shape: f"{max(t, key=t.get)}: {max(t.values()):.1f} (default {defaults.get(shape.split('.')[0])}: "
+    return {shape: f"{max(t, key=t.get)}: {max(t.values()):.3g} (default {defaults.get(shape.split('.')[0])}: "
                    f"{t.get(defaults.get(shape.split('.')[0]))})" for shape, t in groups.items()}
 
 
