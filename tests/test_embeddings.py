@@ -119,6 +119,19 @@ def test_generation_model_embeds_its_last_token_and_mixes_with_generation(qwen3_
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_embeddings_follow_float32(qwen3_folder, dtype):
+    """The whole prompt in one chunk whose K/V nothing reads again (no prefix caching: none is written): the
+    attention kernels must take the chunk's K/V from the step, not from the cache (bfloat16 once read garbage there
+    on AVX512-BF16 CPUs). Half precision keeps the direction of each vector."""
+    llm = LLM(model=str(qwen3_folder), enable_prefix_caching=False, **{**ENGINE, "dtype": dtype,
+                                                                       "kv_cache_dtype": "auto"})
+    prompts = [list(t.encode()) for t in TEXTS]
+    expected = F.normalize(hf_last_token_states(qwen3_folder, prompts), dim=-1)
+    assert cosines(vectors(llm.embed([{"prompt_token_ids": p} for p in prompts])), expected).min() >= 0.99
+    assert_all_blocks_free(llm.llm_engine)
+
+
 def test_dimensions_need_a_matryoshka_model(qwen3_folder, tmp_path):
     llm = LLM(model=str(qwen3_folder), **ENGINE)
     with pytest.raises(ValueError, match="Matryoshka"):

@@ -15,9 +15,10 @@ BLOCK, NUM_BLOCKS = 16, 160
 
 
 def random_chunk(heads: int, kv_heads: int, head_dim: int, n: int, num_computed: int, dtype: torch.dtype,
-                 cache_dtype: torch.dtype | None = None, window: int | None = None):
+                 cache_dtype: torch.dtype | None = None, window: int | None = None, written: bool = True):
     """A layer whose cache holds random K/V for positions [0, num_computed + n) in shuffled blocks, the chunk's
-    queries and its own K/V as computed (the last n positions; the cache holds them rounded to its dtype)."""
+    queries and its own K/V as computed (the last n positions; the cache holds them rounded to its dtype, or random
+    values where `written` is False: an embedding's chunk, whose K/V no later step reads, is not written)."""
     torch.manual_seed(n + num_computed)
     attn = Attention(heads, kv_heads, head_dim, sliding_window=window)
     attn.k_cache = torch.randn(kv_heads, NUM_BLOCKS, BLOCK, head_dim).to(cache_dtype or dtype)
@@ -25,7 +26,8 @@ def random_chunk(heads: int, kv_heads: int, head_dim: int, n: int, num_computed:
     block_ids = torch.randperm(NUM_BLOCKS)[:-(-(num_computed + n) // BLOCK)].tolist()
     k, v = torch.randn(n, kv_heads, head_dim).to(dtype), torch.randn(n, kv_heads, head_dim).to(dtype)
     slots = torch.tensor([block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(num_computed, num_computed + n)])
-    TorchAttentionBackend.write(attn, k, v, slots)
+    if written:
+        TorchAttentionBackend.write(attn, k, v, slots)
     return attn, torch.randn(n, heads, head_dim).to(dtype), k, v, block_ids
 
 
@@ -66,10 +68,12 @@ CASES = [  # heads, kv heads, head dim, chunk, cached context before it, window
 @pytest.mark.parametrize("heads, kv_heads, head_dim, n, num_computed, window", CASES)
 @pytest.mark.parametrize("dtype, cache_dtype, tol", [(torch.float32, None, 2e-6), (torch.float32, torch.float16, 2e-6),
                                                      (torch.bfloat16, None, 2e-2), (torch.float16, None, 2e-3)])
-def test_kernel_matches_dense(heads, kv_heads, head_dim, n, num_computed, window, dtype, cache_dtype, tol):
+@pytest.mark.parametrize("written", [True, False], ids=["kv-written", "kv-unwritten"])
+def test_kernel_matches_dense(heads, kv_heads, head_dim, n, num_computed, window, dtype, cache_dtype, tol, written):
     """float32 over a float16 cache: the chunk's own K/V as cached too, as the context (so a prompt computes the same
-    however it is chunked)."""
-    attn, q, k, v, block_ids = random_chunk(heads, kv_heads, head_dim, n, num_computed, dtype, cache_dtype, window)
+    however it is chunked). The chunk's own K/V are read from k, v: the cache need not hold them."""
+    attn, q, k, v, block_ids = random_chunk(heads, kv_heads, head_dim, n, num_computed, dtype, cache_dtype, window,
+                                            written)
     # v a view of a fused QKV buffer as the decoder passes it; k a tensor of its own (as after Qwen3's k norm)
     qkv = torch.cat([q, k, v], dim=1)
     q, _, v = qkv.split([heads, kv_heads, kv_heads], dim=1)

@@ -77,15 +77,19 @@ struct Bf16Tile {
     return scale;  // exact products of the bfloat16 values, scaled after
   }
 
-  // the chunk's keys from the cache too: a bfloat16 cache holds them exactly as computed
+  // the cached context from the cache, the chunk's own keys from `chunk` (a chunk whose K/V no later step reads,
+  // an embedding's, is never written to the cache)
   void load_keys(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t h,
-                 int64_t t0, int64_t end, int64_t num_blocks, int64_t block_size, const ChunkKV<c10::BFloat16>&) {
+                 int64_t t0, int64_t end, int64_t num_blocks, int64_t block_size, const ChunkKV<c10::BFloat16>& chunk) {
     const int64_t pairs = head_dim / 2;
     for (int64_t j = 0; j < kKeyTile; ++j) {
-      const bool live = t0 + j < end;
-      const int64_t offset = live ? key_offset(table, h, t0 + j, num_blocks, block_size, head_dim) : 0;
-      const uint32_t* k_row = reinterpret_cast<const uint32_t*>(k_cache + offset);
-      const uint16_t* v_row = reinterpret_cast<const uint16_t*>(v_cache + offset);
+      const int64_t t = t0 + j;
+      const bool live = t < end, cached = t < chunk.first;
+      const int64_t offset = live && cached ? key_offset(table, h, t, num_blocks, block_size, head_dim) : 0;
+      const c10::BFloat16* k_src = live && !cached ? chunk.key(t, h) : k_cache + offset;
+      const c10::BFloat16* v_src = live && !cached ? chunk.value(t, h) : v_cache + offset;
+      const uint32_t* k_row = reinterpret_cast<const uint32_t*>(k_src);
+      const uint16_t* v_row = reinterpret_cast<const uint16_t*>(v_src);
       uint16_t* v_dst = reinterpret_cast<uint16_t*>(values.data() + (j / 2) * head_dim) + j % 2;
       for (int64_t i = 0; i < pairs; ++i) keys[i * kKeyTile + j] = live ? k_row[i] : 0u;
       for (int64_t d = 0; d < head_dim; ++d) v_dst[2 * d] = live ? v_row[d] : 0;
@@ -158,7 +162,7 @@ inline void softmax_row(Rows& rows, int64_t r, int64_t pos, int64_t t0, int64_t 
 }
 
 // q rows `q_stride` apart (the heads of a position contiguous); k, v: the packed chunks' own K/V, `kv` with its
-// strides and first = 0 (unread: a bfloat16 cache holds them exactly as computed)
+// strides and first = 0
 void prefill_kernel(const c10::BFloat16* q, int64_t q_stride, const ChunkKV<c10::BFloat16>& kv,
                     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const std::vector<Chunk>& chunks,
                     c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
