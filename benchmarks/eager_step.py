@@ -6,6 +6,7 @@ step is the model runner's `execute_model` (the rest: scheduler, stop checks, ou
     python benchmarks/eager_step.py [--model FILE] [--batches 1 16] [--steps 60] [--profile] [--no-compiled]
 """
 import argparse
+import itertools
 import statistics
 import time
 
@@ -14,6 +15,7 @@ from inferno.config import EngineConfig
 
 PROMPT = "Write a short story about a lighthouse keeper."
 CLOCK = time.perf_counter
+PREFILL_TOKENS = itertools.count(100)  # a token of its own per prompt: no prefix-cache hit on a later call
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int) -> list[float]:
@@ -30,11 +32,12 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int) -> list[float]:
     return times[4:-4]
 
 
-def prefill_step(engine: LLMEngine, prompt_tokens: int) -> float:
-    """Seconds of the step that runs a prompt of `prompt_tokens` tokens whole (median of 3)."""
+def prefill_step(engine: LLMEngine, prompt_tokens: int, samples: int = 3) -> float:
+    """Seconds of the step that runs a prompt of `prompt_tokens` tokens whole (median of `samples`)."""
     times = []
-    for i in range(3):
-        engine.add_request(f"prefill-{time.time()}-{i}", {"prompt_token_ids": [100 + i] * prompt_tokens},
+    for i in range(samples):
+        token = next(PREFILL_TOKENS)
+        engine.add_request(f"prefill-{time.time()}-{i}", {"prompt_token_ids": [token] * prompt_tokens},
                            SamplingParams(max_tokens=1))
         start = CLOCK()
         engine.step()

@@ -6,8 +6,9 @@ them into one JSON file and prints the table the run ends with.
     models DIR          random bf16 HF folders of SmolLM2-135M's and a ~1B llama's shapes (Llama-3.2-1B's)
     decode MODEL        steps of one model: eager vs CUDA graphs (engine.step() wall time, graph replay GPU time),
                         against the HBM floor (weights + K/V read per step over the measured bandwidth)
-    sweep               tile sizes of the Triton decode / prefill attention kernels
-    summary OUT_JSON    everything in one file, and the table
+    sweep [short]       tile sizes of the Triton decode / prefill attention kernels (short: around the defaults)
+    summary OUT_JSON    everything in one file, and the table (benchmarks/gpu_report.py)
+    results-md JSON... RESULTS_MD   the `gpu-check` section of RESULTS.md from one run's JSON or more (later win)
 
 GPU_CHECK_DRY=1 runs them on the CPU (Triton's interpreter, tiny shapes) to check the script before a GPU run.
 """
@@ -18,12 +19,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from xml.etree import ElementTree
 
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS.parent / "tests")]  # eager_step; tiny_models' tokenizer
+import gpu_report  # noqa: E402  (benchmarks/gpu_report.py: the summary and the RESULTS.md section)
 
 DRY = os.environ.get("GPU_CHECK_DRY") == "1"
 DEVICE = "cpu" if DRY else "cuda"
@@ -80,6 +81,7 @@ def env() -> None:
     import transformers
     import triton
     r = Results("env")
+    r["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     r["python"] = sys.version.split()[0]
     r["torch"], r["triton"], r["transformers"] = torch.__version__, triton.__version__, transformers.__version__
     r["cuda_available"] = torch.cuda.is_available()
@@ -180,16 +182,55 @@ def decode(model: Path) -> None:
             r.attempt(f"{name}.step_ms.b{batch}",
                       lambda: statistics.median(decode_steps(engine, batch, steps)) * 1e3)
         r.attempt(f"{name}.prefill_ms.512", lambda: prefill_step(engine, 512) * 1e3)
+        # where the time goes on the GPU: kernels per step and their summed time (the rest: launch gaps, host)
+        r.attempt(f"{name}.profile.decode_b1", lambda: decode_step_profile(engine))
+        r.attempt(f"{name}.profile.prefill_512", lambda: kernel_profile(lambda: prefill_step(engine, 512, 1), 3))
         if not eager:
             runner = engine.model_runner
             r.attempt("graphs.captured", lambda: sorted(runner.decode_graphs.graphs))
             for batch in (1, 16):
                 r.attempt(f"graphs.replay_ms.b{batch}.ctx512", lambda: replay_ms(runner, batch, 512))
+            r.attempt("graphs.profile.replay_b1.ctx512", lambda: kernel_profile(runner.decode_graphs.graphs[1].replay))
             r.attempt("lm_head_ms.b1", lambda: device_ms(
                 lambda: runner.model.compute_logits(runner.decode_graphs.outputs[1][:1])))
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()
+
+
+def kernel_profile(fn, repeats: int = 5) -> dict:
+    """What one fn() runs on the device (torch.profiler): kernels, their summed time, and the costliest by name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    with profile(activities=[ProfilerActivity.CPU if DRY else ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        if not DRY:
+            torch.cuda.synchronize()
+    kernels: dict[str, tuple[int, float]] = {}
+    for event in prof.events():
+        if event.device_type == (DeviceType.CPU if DRY else DeviceType.CUDA):
+            count, us = kernels.get(event.name, (0, 0.0))
+            kernels[event.name] = (count + 1, us + event.time_range.elapsed_us())
+    costliest = sorted(kernels.items(), key=lambda item: -item[1][1])[:8]
+    return {"kernels": sum(c for c, _ in kernels.values()) / repeats,
+            "kernel_ms": round(sum(us for _, us in kernels.values()) / repeats / 1e3, 4),
+            "costliest": {name[:70]: f"{c / repeats:g} x {us / c:.1f} us" for name, (c, us) in costliest}}
+
+
+def decode_step_profile(engine) -> dict:
+    """kernel_profile of engine.step() with one request decoding."""
+    from eager_step import PROMPT
+    from inferno import SamplingParams
+    engine.add_request(f"profiled-{time.time()}", PROMPT, SamplingParams(max_tokens=24, temperature=0,
+                                                                         ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    profiled = kernel_profile(engine.step)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return profiled
 
 
 def timed(fn) -> float:
@@ -209,33 +250,64 @@ def replay_ms(runner, batch: int, context: int) -> float:
 
 
 # sweep
-def sweep() -> None:
-    """Decode (flash-decoding partitions, key tiles) and prefill (query and key tiles) attention kernels of a
-    Llama-3.2-1B layer (32 query heads, 8 KV heads, head size 64, bf16 cache) over tile sizes; each output checked
-    against the default tiles'."""
+SWEEP_TILES = {  # full: every combination; short: around the defaults
+    "full": dict(partitions=(256, 512, 1024, 2048), decode_keys=(32, 64, 128), queries=(16, 32, 64, 128),
+                 prefill_keys=(32, 64, 128)),
+    "short": dict(partitions=(256, 512, 1024), decode_keys=(64, 128), queries=(32, 64, 128), prefill_keys=(32, 64)),
+}
+
+
+def sweep(mode: str = "full") -> None:
+    """Decode (flash-decoding partitions, key tiles) and prefill (query and key tiles) attention kernels over tile
+    sizes, bf16 cache: a Llama-3.2-1B layer (32 query heads, 8 KV heads, head size 64) and, in the short sweep, a
+    Qwen2.5-1.5B one (12 / 2 heads of 128); each output checked against the default tiles'."""
     from inferno.kernels import triton_attention as ta
     r = Results("sweep")
-    heads, kv_heads, head_dim, block = (4, 2, 64, 16) if DRY else (32, 8, 64, 16)
-    defaults = ta.PARTITION_SIZE, ta.KEY_TILE, ta.QUERY_TILE
-    r["default_tiles"] = {"decode": f"{ta.PARTITION_SIZE}.key{ta.KEY_TILE}",
-                          "prefill": f"{ta.QUERY_TILE}.key{ta.KEY_TILE}"}
-    decode_shapes = [(2, 256)] if DRY else [(32, 4096), (1, 16384)]  # (sequences, context)
-    for seqs, context in decode_shapes:
-        per_seq = context // block
-        k, v = (torch.randn(kv_heads, seqs * per_seq, block, head_dim, device=DEVICE, dtype=torch.bfloat16)
-                for _ in range(2))
-        tables = torch.randperm(seqs * per_seq, device=DEVICE).int().view(seqs, per_seq)
-        seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=DEVICE)
-        q = torch.randn(seqs, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
-        run = lambda: ta.paged_decode_attention(q, k, v, tables, seq_lens, head_dim ** -0.5)  # noqa: E731
+    tiles = SWEEP_TILES[mode]
+    defaults = ta.PARTITION_SIZE, ta.DECODE_KEY_TILE, ta.QUERY_TILE, ta.PREFILL_KEY_TILE
+    r["default_tiles"] = {"decode": f"{ta.PARTITION_SIZE}.key{ta.DECODE_KEY_TILE}",
+                          "prefill": f"{ta.QUERY_TILE}.key{ta.PREFILL_KEY_TILE}"}
+    layers = [(4, 2, 64)] if DRY else [(32, 8, 64)] + ([(12, 2, 128)] if mode == "short" else [])
+    for heads, kv_heads, head_dim in layers:
+        name = "" if head_dim == 64 else f".head{head_dim}"  # head size 64: the first run's keys
+        decode_shapes = [(2, 256)] if DRY else [(32, 4096), (1, 16384)]  # (sequences, context)
+        for seqs, context in decode_shapes:
+            run = decode_run(heads, kv_heads, head_dim, seqs, context)
+            reference = run().float()
+            combos = [(512, 128)] if DRY else [(p, t) for p in tiles["partitions"] for t in tiles["decode_keys"]]
+            for ta.PARTITION_SIZE, ta.DECODE_KEY_TILE in combos:
+                key = f"decode{name}.b{seqs}.ctx{context}.part{ta.PARTITION_SIZE}.key{ta.DECODE_KEY_TILE}"
+                kv_bytes = 2 * seqs * context * kv_heads * head_dim * 2
+                r.attempt(key + ".gbs", lambda: kv_bytes / device_ms(run) / 1e6)
+                r.attempt(key + ".max_diff", lambda: (run().float() - reference).abs().max().item())
+            ta.PARTITION_SIZE, ta.DECODE_KEY_TILE = defaults[:2]
+        chunks, chunk_len = (2, 64) if DRY else (4, 1024)  # prompts with no cached context
+        run = prefill_run(heads, kv_heads, head_dim, chunks, chunk_len)
         reference = run().float()
-        tiles = [(512, 64)] if DRY else [(p, t) for p in (256, 512, 1024, 2048) for t in (32, 64, 128)]
-        for ta.PARTITION_SIZE, ta.KEY_TILE in tiles:
-            key = f"decode.b{seqs}.ctx{context}.part{ta.PARTITION_SIZE}.key{ta.KEY_TILE}"
-            r.attempt(key + ".gbs", lambda: (k.nbytes + v.nbytes) / device_ms(run) / 1e6)
+        flops = 4 * chunks * chunk_len * (chunk_len + 1) / 2 * heads * head_dim  # causal QK^T and PV
+        combos = [(64, 32)] if DRY else [(m, n) for m in tiles["queries"] for n in tiles["prefill_keys"]]
+        for ta.QUERY_TILE, ta.PREFILL_KEY_TILE in combos:
+            key = f"prefill{name}.{chunks}x{chunk_len}.query{ta.QUERY_TILE}.key{ta.PREFILL_KEY_TILE}"
+            r.attempt(key + ".tflops", lambda: flops / device_ms(run) / 1e9)
             r.attempt(key + ".max_diff", lambda: (run().float() - reference).abs().max().item())
-        ta.PARTITION_SIZE, ta.KEY_TILE = defaults[:2]
-    chunks, chunk_len = (2, 64) if DRY else (4, 1024)  # prompts with no cached context
+        ta.QUERY_TILE, ta.PREFILL_KEY_TILE = defaults[2:]
+
+
+def decode_run(heads: int, kv_heads: int, head_dim: int, seqs: int, context: int, block: int = 16):
+    """A decode attention call over `seqs` sequences of `context` keys in scattered blocks."""
+    from inferno.kernels import triton_attention as ta
+    per_seq = context // block
+    k, v = (torch.randn(kv_heads, seqs * per_seq, block, head_dim, device=DEVICE, dtype=torch.bfloat16)
+            for _ in range(2))
+    tables = torch.randperm(seqs * per_seq, device=DEVICE).int().view(seqs, per_seq)
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(seqs, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    return lambda: ta.paged_decode_attention(q, k, v, tables, seq_lens, head_dim ** -0.5)
+
+
+def prefill_run(heads: int, kv_heads: int, head_dim: int, chunks: int, chunk_len: int, block: int = 16):
+    """A prefill attention call over `chunks` prompts of `chunk_len` tokens."""
+    from inferno.kernels import triton_attention as ta
     tokens = chunks * chunk_len
     k, v = (torch.randn(kv_heads, tokens // block, block, head_dim, device=DEVICE, dtype=torch.bfloat16)
             for _ in range(2))
@@ -243,69 +315,12 @@ def sweep() -> None:
     starts = torch.arange(0, tokens + 1, chunk_len, device=DEVICE, dtype=torch.int32)
     seq_lens = torch.full((chunks,), chunk_len, dtype=torch.int32, device=DEVICE)
     q = torch.randn(tokens, heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
-    run = lambda: ta.paged_prefill_attention(q, k, v, tables, starts, seq_lens, chunk_len,  # noqa: E731
-                                             head_dim ** -0.5)
-    reference = run().float()
-    flops = 4 * chunks * chunk_len * (chunk_len + 1) / 2 * heads * head_dim  # causal QK^T and PV
-    tiles = [(32, 64)] if DRY else [(m, n) for m in (16, 32, 64, 128) for n in (32, 64, 128)]
-    for ta.QUERY_TILE, ta.KEY_TILE in tiles:
-        key = f"prefill.{chunks}x{chunk_len}.query{ta.QUERY_TILE}.key{ta.KEY_TILE}"
-        r.attempt(key + ".tflops", lambda: flops / device_ms(run) / 1e9)
-        r.attempt(key + ".max_diff", lambda: (run().float() - reference).abs().max().item())
-    ta.QUERY_TILE, ta.KEY_TILE = defaults[2], defaults[1]
-
-
-# summary
-def summary(out: Path) -> None:
-    merged = {"dry_run": DRY, "stages": {}}
-    for line in (WORK / "stages.txt").read_text().splitlines() if (WORK / "stages.txt").exists() else []:
-        name, rc, seconds = line.split()  # rc "skipped": the budget was spent before the stage
-        merged["stages"][name] = {"rc": rc, "seconds": int(seconds), "timed_out": rc in ("124", "137")}
-    for file in sorted(WORK.glob("*.json")):
-        merged[file.stem] = json.loads(file.read_text())
-    if (WORK / "pytest.xml").exists():
-        merged["pytest"] = pytest_results(WORK / "pytest.xml")
-    out.write_text(json.dumps(merged, indent=1))
-    for name, stage in merged["stages"].items():
-        print(f"{name:24} rc {stage['rc']:>3} {stage['seconds']:4} s{'  TIMED OUT' if stage['timed_out'] else ''}")
-    for section in ("env", "pytest", "throughput_smollm2-135m", "throughput_llama-1b", "decode"):
-        for key, value in flatten(merged.get(section, {})):
-            print(f"{section}.{key}: {str(value).splitlines()[-1] if value else value}"[:160])
-    best = best_tiles(merged.get("sweep", {}))
-    for key, value in best.items():
-        print(f"sweep best {key}: {value}")
-
-
-def pytest_results(xml: Path) -> dict:
-    cases = ElementTree.parse(xml).getroot().iter("testcase")
-    outcome = {}
-    for case in cases:
-        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-        outcome[f"{case.get('classname')}::{case.get('name')}"] = kind
-    counts = {kind: list(outcome.values()).count(kind) for kind in ("passed", "failure", "error", "skipped")}
-    return counts | {"not_passed": sorted(name for name, kind in outcome.items() if kind in ("failure", "error"))}
-
-
-def flatten(data: dict) -> list[tuple[str, object]]:
-    if "throughput" in data:  # throughput.py's --json: a row per engine
-        return [(f"{row['engine']}.output_tps", round(row["output_tps"], 1)) for row in data["throughput"]]
-    return list(data.items())
-
-
-def best_tiles(sweep: dict) -> dict[str, str]:
-    """The fastest tiles of each swept shape (GB/s of K/V for decode, TFLOP/s for prefill), beside the defaults'."""
-    groups: dict[str, dict[str, float]] = {}
-    for key, value in sweep.items():
-        if key.endswith((".gbs", ".tflops")):
-            shape, tiles = key.rsplit(".", 1)[0].split(".part" if ".part" in key else ".query")
-            groups.setdefault(shape, {})[tiles] = value
-    defaults = sweep.get("default_tiles", {})
-    return {shape: f"{max(t, key=t.get)}: {max(t.values()):.3g} (default {defaults.get(shape.split('.')[0])}: "
-                   f"{t.get(defaults.get(shape.split('.')[0]))})" for shape, t in groups.items()}
+    return lambda: ta.paged_prefill_attention(q, k, v, tables, starts, seq_lens, chunk_len, head_dim ** -0.5)
 
 
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     WORK.mkdir(parents=True, exist_ok=True)
     {"env": env, "models": lambda: write_models(Path(rest[0])), "decode": lambda: decode(Path(rest[0])),
-     "sweep": sweep, "summary": lambda: summary(Path(rest[0]))}[command]()
+     "sweep": lambda: sweep(*rest), "summary": lambda: gpu_report.summary(WORK, Path(rest[0]), DRY),
+     "results-md": lambda: gpu_report.results_md([Path(p) for p in rest[:-1]], Path(rest[-1]))}[command]()

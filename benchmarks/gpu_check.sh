@@ -6,6 +6,9 @@
 #
 #   bash benchmarks/gpu_check.sh                       # on the GPU machine: python3, wheels in .whl/ (gguf, llguidance)
 #   GPU_CHECK_DRY=1 PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh   # a dry run on the CPU, tiny shapes
+#   GPU_CHECK_STAGES="env pytest models throughput_smollm2-135m decode sweep" GPU_CHECK_SWEEP=short \
+#       GPU_CHECK_BUDGET=300 bash benchmarks/gpu_check.sh   # a rerun: some stages, the sweep around the defaults
+# $OUT/RESULTS.md: benchmarks/RESULTS.md with its gpu-check section from this run (gpu_check.py results-md).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,9 +26,13 @@ else
 fi
 
 BUDGET=${GPU_CHECK_BUDGET:-480}  # seconds for all stages: a late stage gets what is left of it
+STAGES=" ${GPU_CHECK_STAGES:-env pytest models throughput_smollm2-135m throughput_llama-1b decode sweep} "
 stage() {  # stage NAME LOG SECONDS COMMAND...: run it under its limit, log it, record its exit status and time
     local name=$1 log=$OUT/$2.log limit=$(($3 < BUDGET - SECONDS ? $3 : BUDGET - SECONDS)) start=$SECONDS
     shift 3
+    if [ "$name" != wheels ] && [[ $STAGES != *" $name "* ]]; then
+        return  # not asked for (GPU_CHECK_STAGES)
+    fi
     if [ "$limit" -lt 10 ]; then
         echo "== $name: skipped, the budget of $BUDGET s is spent" | tee -a "$log"
         echo "$name skipped 0" >>"$WORK/stages.txt"
@@ -56,5 +63,7 @@ done
 # 4. decode steps of the 1B model: eager vs CUDA graphs, against the HBM floor
 stage decode decode 75 "$PY" benchmarks/gpu_check.py decode "$MODELS/llama-1b"
 # 5. tile sizes of the attention kernels
-stage sweep sweep 50 "$PY" benchmarks/gpu_check.py sweep
+stage sweep sweep 50 "$PY" benchmarks/gpu_check.py sweep "${GPU_CHECK_SWEEP:-full}"
 "$PY" benchmarks/gpu_check.py summary "$OUT/gpu_check.json" 2>&1 | tee -a "$OUT/env.log"
+cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+"$PY" benchmarks/gpu_check.py results-md "$OUT/gpu_check.json" "$OUT/RESULTS.md" 2>&1 | tee -a "$OUT/env.log"

@@ -5,6 +5,8 @@ import torch
 
 from conftest import assert_all_blocks_free, is_near_tie, prefill_logits
 from inferno import LLM, SamplingParams
+from inferno.loader.safetensors import read_config
+from inferno.worker.model_runner import kv_bytes_per_block
 from test_architectures import hf_greedy, prompts
 from tiny_models import write_hf_model
 
@@ -47,14 +49,16 @@ def test_model_on_cuda_matches_hf(tiny, enforce_eager):
 def test_graphs_match_eager_with_preemption_and_prefix_hits(tiny):
     folder, _ = tiny
     batch = prompts([30, 50, 70, 90, 110, 130]) + prompts([130])  # the last one repeats a prompt: a prefix hit
+    # 16 blocks: the longest request (130 + 24 tokens) takes 10, so the requests preempt one another
+    cache_memory = 16 * kv_bytes_per_block(read_config(folder), 16, "bfloat16")
     results = []
     for eager in (True, False):
-        llm = LLM(model=str(folder), device="cuda", dtype="bfloat16", kv_cache_memory=1 << 20,
+        llm = LLM(model=str(folder), device="cuda", dtype="bfloat16", kv_cache_memory=cache_memory,
                   max_num_batched_tokens=64, enforce_eager=eager)
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0, max_tokens=24,
                                                                                       ignore_eos=True), use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
-        assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert llm.llm_engine.scheduler.num_preemptions > 0 and llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0
         assert_all_blocks_free(llm.llm_engine)
     assert results[0] == results[1]
 

@@ -20,10 +20,11 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32, tie_word_embeddings=False)),
-    # Gemma: a sliding layer then a global one, window 32; caps low enough to bite; scalar unlike the head size
+    # Gemma: a sliding layer then a global one, window 32; caps low enough to bite; scalar unlike the head size;
+    # HF's eager attention, the one that soft-caps scores (transformers 5.17 picks SDPA, which leaves them uncapped)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=16, sliding_window=32, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
-        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=0)),
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=0, attn_implementation="eager")),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, sliding_window=32, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+# tiles: the fastest of benchmarks/gpu_check.py's sweep on an H200 (bfloat16, head size 64; RESULTS.md)
 PARTITION_SIZE = 512  # keys per decode program (flash-decoding split)
-KEY_TILE = 64  # keys per inner iteration
-QUERY_TILE = 32  # prefill query rows per program
+DECODE_KEY_TILE = 128  # keys per inner iteration of a decode program
+QUERY_TILE = 64  # prefill query rows per program
+PREFILL_KEY_TILE = 32  # keys per inner iteration of a prefill program
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
 
 
@@ -181,7 +183,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0), part_max.stride(1),
         group, head_dim, block_size, PARTITION_SIZE,
-        BLOCK_G=_pow2(group), BLOCK_N=KEY_TILE, BLOCK_D=block_d, SOFTCAP=softcap is not None,
+        BLOCK_G=_pow2(group), BLOCK_N=DECODE_KEY_TILE, BLOCK_D=block_d, SOFTCAP=softcap is not None,
         F32_DOT=f32_dot(k_cache.dtype))
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_max, part_sum, out, num_splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -254,6 +256,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, block_tables, query_start, seq_lens, out, scale, softcap or 0.0, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_heads // kv_heads, head_dim, block_size,
-        BLOCK_M=QUERY_TILE, BLOCK_N=KEY_TILE, BLOCK_D=_pow2(head_dim), SOFTCAP=softcap is not None,
+        BLOCK_M=QUERY_TILE, BLOCK_N=PREFILL_KEY_TILE, BLOCK_D=_pow2(head_dim), SOFTCAP=softcap is not None,
         F32_DOT=f32_dot(k_cache.dtype))
     return out
