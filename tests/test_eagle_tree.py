@@ -105,7 +105,7 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
     [(drafted_tree, outputs)] = drafted[0]
     assert (out.spec_token_ids["r"], out.spec_tree_parents["r"]) == drafted_tree.drafts() and not out.draft_probs
     assert len(out.spec_token_ids["r"]) == (5 if dynamic else len(TOKEN_TREE))
-    assert sorted(outputs) == [0] + sorted(drafted_tree.passes) and max(drafted_tree.depths) == TREE_K
+    assert sorted(outputs) == [0] + sorted(drafted_tree.passes) and drafted_tree.shape.depth == TREE_K
 
     def dense(path: tuple[int, ...]) -> torch.Tensor:
         """The head's output at the path's last token, the head run densely over the context and the path, each
@@ -116,10 +116,10 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
             return tree_head.forward_dense(embeds[None], torch.cat(feats)[None])[0, -1]
 
     for node, output in outputs.items():
-        path = tuple(drafted_tree.token_ids[a] for a in drafted_tree.ancestors(node)[1:])
+        path = tuple(drafted_tree.token_ids[a] for a in drafted_tree.shape.ancestors(node)[1:])
         expected = dense(path)
         torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-4)
-        children = [c for c in range(1, len(drafted_tree.token_ids)) if drafted_tree.parents[c] == node]
+        children = drafted_tree.shape.children()[node]
         ranks = [drafted_tree.ranks[c] for c in children] if not dynamic else range(len(children))
         top = tree_head.logits(expected, target.lm_head).topk(drafted_tree.width).indices.tolist()
         assert [drafted_tree.token_ids[c] for c in children] == [top[r] for r in ranks]

@@ -163,8 +163,8 @@ class EagleProposer:
                 req, tree = wanted[i][0], trees[i]
                 root = req.num_tokens - 2
                 chunks.append(TokenChunk([tree.token_ids[node]], tree.pass_slot(node, root), req.block_ids))
-                rows.append((root + tree.depths[node], tree.hidden_slots(node, root)))
-            parents = [parent_rows[(i, trees[i].parents[node])] for i, node in frontier]
+                rows.append((root + tree.shape.depths()[node], tree.hidden_slots(node, root)))
+            parents = [parent_rows[(i, trees[i].shape.parent(node))] for i, node in frontier]
             last = self._pass(chunks, last[parents], rows)
             for row, (i, node) in enumerate(frontier):
                 outputs[i][node] = last[row]
