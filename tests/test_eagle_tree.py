@@ -86,7 +86,7 @@ def tree_proposer(head, backend: str, tree: dict) -> EagleProposer:
 
 @pytest.mark.parametrize("tree", [{"speculative_token_tree": TOKEN_TREE}, DYNAMIC], ids=["static", "dynamic"])
 @pytest.mark.parametrize("backend", ["torch", "cpu_kernel"])
-def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_head, backend, tree):
+def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_head, backend, tree, monkeypatch):
     torch.manual_seed(1)
     proposer, dynamic = tree_proposer(tree_head, backend, tree), tree == DYNAMIC
     target = proposer.target
@@ -98,14 +98,17 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
     proposer.runner.requests = {"r": state}
     proposer.runner.target_hidden = TargetHiddenStates()
     proposer.runner.target_hidden.record("r", 0, features)
-    drafted = []
-    draft_trees = proposer.draft_trees
-    proposer.draft_trees = lambda *args: drafted.append(draft_trees(*args)) or drafted[-1]
-    out = proposer.propose([DraftingRequest(state, list(tokens), TREE_K, 0, tree=True)])
-    [(drafted_tree, outputs)] = drafted[0]
+    drafted, outputs = [], []  # the tree; the head outputs that ranked children: the root's, then each pass's
+    make_tree, logits = proposer._tree, tree_head.logits
+    with monkeypatch.context() as spy:
+        spy.setattr(proposer, "_tree", lambda *args: drafted.append(make_tree(*args)) or drafted[-1])
+        spy.setattr(tree_head, "logits", lambda last, lm_head: outputs.extend(last) or logits(last, lm_head))
+        out = proposer.propose([DraftingRequest(state, list(tokens), TREE_K, 0, tree=True)])
+    [drafted_tree] = drafted
+    shape = drafted_tree.shape
     assert (out.spec_token_ids["r"], out.spec_tree_parents["r"]) == drafted_tree.drafts() and not out.draft_probs
     assert len(out.spec_token_ids["r"]) == (5 if dynamic else len(TOKEN_TREE))
-    assert sorted(outputs) == [0] + sorted(drafted_tree.passes) and drafted_tree.shape.depth == TREE_K
+    assert len(outputs) == 1 + len(drafted_tree.passes) and shape.depth == TREE_K
 
     def dense(path: tuple[int, ...]) -> torch.Tensor:
         """The head's output at the path's last token, the head run densely over the context and the path, each
@@ -115,11 +118,11 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
             embeds = target.embed_tokens(torch.tensor(tokens[1:] + list(path)))
             return tree_head.forward_dense(embeds[None], torch.cat(feats)[None])[0, -1]
 
-    for node, output in outputs.items():
-        path = tuple(drafted_tree.token_ids[a] for a in drafted_tree.shape.ancestors(node)[1:])
+    for node, output in zip([0] + drafted_tree.passes, outputs):
+        path = tuple(drafted_tree.token_ids[a] for a in shape.ancestors(node)[1:])
         expected = dense(path)
         torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-4)
-        children = drafted_tree.shape.children()[node]
+        children = shape.children()[node]
         ranks = [drafted_tree.ranks[c] for c in children] if not dynamic else range(len(children))
         top = tree_head.logits(expected, target.lm_head).topk(drafted_tree.width).indices.tolist()
         assert [drafted_tree.token_ids[c] for c in children] == [top[r] for r in ranks]

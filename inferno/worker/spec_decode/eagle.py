@@ -104,7 +104,7 @@ class EagleProposer:
             if chains:
                 self._draft_chains([wanted[i] for i in chains], roots[chains], out)
             if trees:
-                self.draft_trees([wanted[i] for i in trees], roots[trees], out)
+                self._draft_trees([wanted[i] for i in trees], roots[trees], out)
         for req, _ in wanted:
             self.cached[req.request_id] = ProposerCache(req.state, list(req.token_ids), list(req.block_ids),
                                                         req.num_preemptions, tokens_ahead=1)
@@ -139,14 +139,11 @@ class EagleProposer:
             if q:
                 out.draft_probs[req.request_id] = torch.stack(q).cpu()
 
-    def draft_trees(self, wanted: list[tuple[DraftingRequest, int]], roots: torch.Tensor,
-                    out: DraftOutput) -> list[tuple[DraftTree, dict[int, torch.Tensor]]]:
+    def _draft_trees(self, wanted: list[tuple[DraftingRequest, int]], roots: torch.Tensor, out: DraftOutput) -> None:
         """Each request's tree up to k deep, depth by depth: the passes of a depth's expanded nodes run as one batch,
         and each pass's top tokens become the node's children (the root's pass: the catch-up's last, `roots`). Point
-        masses: the tree rejection sampler keeps any request's output exact. Returns each tree and its head outputs
-        by node (the root, 0, and the nodes with a pass), which ranked their children."""
+        masses: the tree rejection sampler keeps any request's output exact."""
         trees = [self._tree(req, k) for req, k in wanted]
-        outputs: list[dict[int, torch.Tensor]] = [{0: roots[i]} for i in range(len(wanted))]
         frontier, last = [(i, 0) for i in range(len(wanted))], roots
         while frontier:
             logprobs = self.head.logits(last, self.target.lm_head).log_softmax(dim=-1)
@@ -166,11 +163,8 @@ class EagleProposer:
                 rows.append((root + tree.shape.depths()[node], tree.hidden_slots(node, root)))
             parents = [parent_rows[(i, trees[i].shape.parent(node))] for i, node in frontier]
             last = self._pass(chunks, last[parents], rows)
-            for row, (i, node) in enumerate(frontier):
-                outputs[i][node] = last[row]
         for (req, _), tree in zip(wanted, trees):
             out.spec_token_ids[req.request_id], out.spec_tree_parents[req.request_id] = tree.drafts()
-        return list(zip(trees, outputs))
 
     def _tree(self, req: DraftingRequest, depth: int) -> DraftTree:
         """The request's tree up to `depth`, its passes within the slots reserved after its root."""
