@@ -8,9 +8,9 @@ import torch
 
 from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
-from inferno.config import SpeculativeConfig
 from inferno.loader.eagle_folder import read_eagle_folder
 from inferno.loader.safetensors import read_config
+from inferno.speculative_config import SpeculativeConfig
 from inferno.worker.model_runner import kv_bytes_per_block
 from inferno.worker.request_state import CachedRequestState
 from inferno.worker.spec_decode.drafting_request import DraftingRequest

@@ -24,12 +24,13 @@ nodes are verified as point masses (layers/tree_rejection_sampler.py), exact wha
 
 import torch
 
-from inferno.config import DYNAMIC_TREE, EngineConfig, ModelConfig
+from inferno.config import EngineConfig, ModelConfig
 from inferno.core.scheduler_output import DraftOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.loader.eagle_folder import EagleFolder, eagle_head_config, read_eagle_folder
 from inferno.loader.model_loader import load_weights
 from inferno.model.eagle import EagleHead
+from inferno.speculative_config import DYNAMIC_TREE
 from inferno.worker.input_batch import TokenChunk, lay_out_chunks
 from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.model_runner import ModelRunner
