@@ -1,5 +1,5 @@
 """EAGLE heads drafting token trees: the head's tree passes against a dense forward of each path, and speculation
-with a tree (the output is the target's)."""
+with a tree (the output is the target's; under chunked prefill and preemption, Medusa's tree too)."""
 import contextlib
 from types import SimpleNamespace
 
@@ -19,7 +19,7 @@ from inferno.worker.spec_decode.eagle_tree import DynamicTree, StaticTree
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
 from test_eagle import eagle, hf_layer, random_head_tensors, smol_head, write_layout  # noqa: F401 (fixture)
 from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
-from test_spec_heads import TOKEN_TREE, record_trees
+from test_spec_heads import TOKEN_TREE, medusa, record_trees, smol_heads  # noqa: F401 (fixture)
 
 TREE_K = len(max(TOKEN_TREE, key=len))  # the whole tree drafted: 7 nodes, 3 inner ones, 3 deep
 
@@ -151,12 +151,21 @@ def test_greedy_with_an_eagle_tree_matches_plain_decoding_alone_and_in_batch(eag
     assert_all_blocks_free(eagle_tree_llm.llm_engine)
 
 
-def test_dynamic_eagle_tree_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, model_path, smol_head,
-                                                                                       prompts, reference):
-    """The dynamic tree reserves the most lookahead slots (eagle_topk per depth): 4 here, to a static tree's 3."""
+# per head kind: its heads' fixture; the KV cache's bytes, in target blocks, for 10 blocks (an EAGLE head's cache
+# takes a share of 11); its speculative_config: Medusa's static tree, or EAGLE's dynamic one, which reserves the most
+# lookahead slots (eagle_topk per depth: 4 here, to a static tree's 3)
+CRAMPED_TREES = {"medusa": ("smol_heads", 10, lambda heads: medusa(heads, speculative_token_tree=TOKEN_TREE)),
+                 "eagle": ("smol_head", 11, lambda head: eagle(head, **DYNAMIC))}
+
+
+@pytest.mark.parametrize("kind", CRAMPED_TREES)
+def test_a_tree_with_chunked_prefill_and_preemption_matches_plain_decoding(request, kind, llm, model_path, prompts,
+                                                                           reference):
+    """Prompts cut into chunks of 32 tokens, and 10 KV blocks: the prompts fit, their outputs do not."""
+    fixture, num_blocks, speculative_config = CRAMPED_TREES[kind]
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
-    cramped = LLM(model_path, kv_cache_memory=11 * block_bytes, max_num_batched_tokens=32, **FLOAT32,
-                  speculative_config=eagle(smol_head, **DYNAMIC))
+    cramped = LLM(model_path, kv_cache_memory=num_blocks * block_bytes, max_num_batched_tokens=32, **FLOAT32,
+                  speculative_config=speculative_config(request.getfixturevalue(fixture)))
     trees = record_trees(cramped)
     assert token_ids(cramped, prompts, greedy()) == reference
     assert cramped.llm_engine.scheduler.num_preemptions > 0 and max(trees) > 0
