@@ -13,10 +13,10 @@ import time
 import torch
 
 from inferno import LLM
-from inferno.config import SpeculativeConfig
 from inferno.core.spec_tree import SpecTree, tree_of_paths
 from inferno.request import Request
 from inferno.sampling_params import SamplingParams
+from inferno.speculative_config import SpeculativeConfig
 from inferno.worker.input_batch import StepInput, TokenChunk, lay_out_chunks
 
 DEFAULT_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"

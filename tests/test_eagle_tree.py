@@ -1,5 +1,5 @@
 """EAGLE heads drafting token trees: the head's tree passes against a dense forward of each path, and speculation
-with a tree (the output is the target's)."""
+with a tree (the output is the target's; under chunked prefill and preemption, Medusa's tree too)."""
 import contextlib
 from types import SimpleNamespace
 
@@ -8,9 +8,9 @@ import torch
 
 from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
-from inferno.config import SpeculativeConfig
 from inferno.loader.eagle_folder import read_eagle_folder
 from inferno.loader.safetensors import read_config
+from inferno.speculative_config import SpeculativeConfig
 from inferno.worker.model_runner import kv_bytes_per_block
 from inferno.worker.request_state import CachedRequestState
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
@@ -19,7 +19,7 @@ from inferno.worker.spec_decode.eagle_tree import DynamicTree, StaticTree
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
 from test_eagle import eagle, hf_layer, random_head_tensors, smol_head, write_layout  # noqa: F401 (fixture)
 from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
-from test_spec_heads import TOKEN_TREE, record_trees
+from test_spec_heads import TOKEN_TREE, medusa, record_trees, smol_heads  # noqa: F401 (fixture)
 
 TREE_K = len(max(TOKEN_TREE, key=len))  # the whole tree drafted: 7 nodes, 3 inner ones, 3 deep
 
@@ -86,7 +86,7 @@ def tree_proposer(head, backend: str, tree: dict) -> EagleProposer:
 
 @pytest.mark.parametrize("tree", [{"speculative_token_tree": TOKEN_TREE}, DYNAMIC], ids=["static", "dynamic"])
 @pytest.mark.parametrize("backend", ["torch", "cpu_kernel"])
-def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_head, backend, tree):
+def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_head, backend, tree, monkeypatch):
     torch.manual_seed(1)
     proposer, dynamic = tree_proposer(tree_head, backend, tree), tree == DYNAMIC
     target = proposer.target
@@ -98,14 +98,17 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
     proposer.runner.requests = {"r": state}
     proposer.runner.target_hidden = TargetHiddenStates()
     proposer.runner.target_hidden.record("r", 0, features)
-    drafted = []
-    draft_trees = proposer.draft_trees
-    proposer.draft_trees = lambda *args: drafted.append(draft_trees(*args)) or drafted[-1]
-    out = proposer.propose([DraftingRequest(state, list(tokens), TREE_K, 0, tree=True)])
-    [(drafted_tree, outputs)] = drafted[0]
+    drafted, outputs = [], []  # the tree; the head outputs that ranked children: the root's, then each pass's
+    make_tree, logits = proposer._tree, tree_head.logits
+    with monkeypatch.context() as spy:
+        spy.setattr(proposer, "_tree", lambda *args: drafted.append(make_tree(*args)) or drafted[-1])
+        spy.setattr(tree_head, "logits", lambda last, lm_head: outputs.extend(last) or logits(last, lm_head))
+        out = proposer.propose([DraftingRequest(state, list(tokens), TREE_K, 0, tree=True)])
+    [drafted_tree] = drafted
+    shape = drafted_tree.shape
     assert (out.spec_token_ids["r"], out.spec_tree_parents["r"]) == drafted_tree.drafts() and not out.draft_probs
     assert len(out.spec_token_ids["r"]) == (5 if dynamic else len(TOKEN_TREE))
-    assert sorted(outputs) == [0] + sorted(drafted_tree.passes) and max(drafted_tree.depths) == TREE_K
+    assert len(outputs) == 1 + len(drafted_tree.passes) and shape.depth == TREE_K
 
     def dense(path: tuple[int, ...]) -> torch.Tensor:
         """The head's output at the path's last token, the head run densely over the context and the path, each
@@ -115,11 +118,11 @@ def test_each_tree_node_s_head_output_matches_a_dense_forward_of_its_path(tree_h
             embeds = target.embed_tokens(torch.tensor(tokens[1:] + list(path)))
             return tree_head.forward_dense(embeds[None], torch.cat(feats)[None])[0, -1]
 
-    for node, output in outputs.items():
-        path = tuple(drafted_tree.token_ids[a] for a in drafted_tree.ancestors(node)[1:])
+    for node, output in zip([0] + drafted_tree.passes, outputs):
+        path = tuple(drafted_tree.token_ids[a] for a in shape.ancestors(node)[1:])
         expected = dense(path)
         torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-4)
-        children = [c for c in range(1, len(drafted_tree.token_ids)) if drafted_tree.parents[c] == node]
+        children = shape.children()[node]
         ranks = [drafted_tree.ranks[c] for c in children] if not dynamic else range(len(children))
         top = tree_head.logits(expected, target.lm_head).topk(drafted_tree.width).indices.tolist()
         assert [drafted_tree.token_ids[c] for c in children] == [top[r] for r in ranks]
@@ -148,12 +151,21 @@ def test_greedy_with_an_eagle_tree_matches_plain_decoding_alone_and_in_batch(eag
     assert_all_blocks_free(eagle_tree_llm.llm_engine)
 
 
-def test_dynamic_eagle_tree_with_chunked_prefill_and_preemption_matches_plain_decoding(llm, model_path, smol_head,
-                                                                                       prompts, reference):
-    """The dynamic tree reserves the most lookahead slots (eagle_topk per depth): 4 here, to a static tree's 3."""
+# per head kind: its heads' fixture; the KV cache's bytes, in target blocks, for 10 blocks (an EAGLE head's cache
+# takes a share of 11); its speculative_config: Medusa's static tree, or EAGLE's dynamic one, which reserves the most
+# lookahead slots (eagle_topk per depth: 4 here, to a static tree's 3)
+CRAMPED_TREES = {"medusa": ("smol_heads", 10, lambda heads: medusa(heads, speculative_token_tree=TOKEN_TREE)),
+                 "eagle": ("smol_head", 11, lambda head: eagle(head, **DYNAMIC))}
+
+
+@pytest.mark.parametrize("kind", CRAMPED_TREES)
+def test_a_tree_with_chunked_prefill_and_preemption_matches_plain_decoding(request, kind, llm, model_path, prompts,
+                                                                           reference):
+    """Prompts cut into chunks of 32 tokens, and 10 KV blocks: the prompts fit, their outputs do not."""
+    fixture, num_blocks, speculative_config = CRAMPED_TREES[kind]
     block_bytes = kv_bytes_per_block(llm.llm_engine.model_config, 16, llm.llm_engine.config.kv_cache_dtype)
-    cramped = LLM(model_path, kv_cache_memory=11 * block_bytes, max_num_batched_tokens=32, **FLOAT32,
-                  speculative_config=eagle(smol_head, **DYNAMIC))
+    cramped = LLM(model_path, kv_cache_memory=num_blocks * block_bytes, max_num_batched_tokens=32, **FLOAT32,
+                  speculative_config=speculative_config(request.getfixturevalue(fixture)))
     trees = record_trees(cramped)
     assert token_ids(cramped, prompts, greedy()) == reference
     assert cramped.llm_engine.scheduler.num_preemptions > 0 and max(trees) > 0

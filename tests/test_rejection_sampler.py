@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from inferno.config import EngineConfig, SpeculativeConfig
+from inferno.config import EngineConfig
 from inferno.core.spec_tree import SpecTree, tree_of_paths
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
 from inferno.layers.tree_rejection_sampler import TreeDrafts, tree_rejection_sample
 from inferno.layers.sampler import SamplingMetadata
+from inferno.speculative_config import SpeculativeConfig
 from inferno.worker.spec_decode.ngram import ngram_lookup
 
 P_VALUE_THRESHOLD = 1e-3

@@ -5,10 +5,10 @@ import pytest
 
 from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
-from inferno.config import SpeculativeConfig
 from inferno.request import Request, RequestStatus
 from inferno.spec_decode.metrics import SpecDecodingStats
 from inferno.spec_decode.policy import PROBE_INTERVAL, SpeculationPolicy
+from inferno.speculative_config import SpeculativeConfig
 from inferno.worker.model_runner import kv_bytes_per_block
 from test_model_vs_hf import write_tiny_hf_model
 

@@ -14,7 +14,7 @@ from inferno.core.startup_gc import gc_paused
 with gc_paused(freeze=True):  # importing torch and inferno builds objects as long-lived as the process (startup_gc)
     from inferno.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPE_NAMES,
                                 PER_CHANNEL, QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, RUNNERS,
-                                EngineConfig, SpeculativeConfig)
+                                EngineConfig)
     from inferno.core.head_training import HeadTrainingConfig
     from inferno.core.kv_transfer import KV_ROLES, KV_TRANSFER_BACKENDS, KV_TRANSFER_FALLBACKS
     from inferno.engine.input_processor import PromptType
@@ -24,6 +24,7 @@ with gc_paused(freeze=True):  # importing torch and inferno builds objects as lo
     from inferno.entrypoints.train_draft_heads import read_prompts, train_draft_heads
     from inferno.sampling_params import RequestOutputKind, SamplingParams
     from inferno.server.cli_args import add_server_args, server_config
+    from inferno.speculative_config import SpeculativeConfig
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

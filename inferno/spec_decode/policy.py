@@ -15,10 +15,10 @@ its max_tokens to hold the whole tree propose a chain.
 import math
 from dataclasses import dataclass
 
-from inferno.config import SpeculativeConfig
 from inferno.request import Request
 from inferno.spec_decode import num_drafts_wanted
 from inferno.spec_decode.metrics import SpecDecodingStats
+from inferno.speculative_config import SpeculativeConfig
 
 PROBE_INTERVAL = 8  # steps a paused request waits before proposing one draft again
 DECAY = 0.8  # weight of the previous counts at each verification step (recent steps matter most)

@@ -13,10 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from inferno.config import EngineConfig, ModelConfig, SpeculativeConfig
+from inferno.config import EngineConfig, ModelConfig
 from inferno.core.scheduler_output import DraftOutput
 from inferno.loader.model_loader import load_model
 from inferno.model.llama import LlamaForCausalLM
+from inferno.speculative_config import SpeculativeConfig
 from inferno.worker.input_batch import TokenChunk, lay_out_chunks
 from inferno.worker.model_runner import ModelRunner
 from inferno.worker.request_state import CachedRequestState

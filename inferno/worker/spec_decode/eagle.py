@@ -24,12 +24,13 @@ nodes are verified as point masses (layers/tree_rejection_sampler.py), exact wha
 
 import torch
 
-from inferno.config import DYNAMIC_TREE, EngineConfig, ModelConfig
+from inferno.config import EngineConfig, ModelConfig
 from inferno.core.scheduler_output import DraftOutput
 from inferno.layers.attention import select_attention_backend
 from inferno.loader.eagle_folder import EagleFolder, eagle_head_config, read_eagle_folder
 from inferno.loader.model_loader import load_weights
 from inferno.model.eagle import EagleHead
+from inferno.speculative_config import DYNAMIC_TREE
 from inferno.worker.input_batch import TokenChunk, lay_out_chunks
 from inferno.worker.kv_cache import lazily_zeroed
 from inferno.worker.model_runner import ModelRunner
@@ -104,7 +105,7 @@ class EagleProposer:
             if chains:
                 self._draft_chains([wanted[i] for i in chains], roots[chains], out)
             if trees:
-                self.draft_trees([wanted[i] for i in trees], roots[trees], out)
+                self._draft_trees([wanted[i] for i in trees], roots[trees], out)
         for req, _ in wanted:
             self.cached[req.request_id] = ProposerCache(req.state, list(req.token_ids), list(req.block_ids),
                                                         req.num_preemptions, tokens_ahead=1)
@@ -139,14 +140,11 @@ class EagleProposer:
             if q:
                 out.draft_probs[req.request_id] = torch.stack(q).cpu()
 
-    def draft_trees(self, wanted: list[tuple[DraftingRequest, int]], roots: torch.Tensor,
-                    out: DraftOutput) -> list[tuple[DraftTree, dict[int, torch.Tensor]]]:
+    def _draft_trees(self, wanted: list[tuple[DraftingRequest, int]], roots: torch.Tensor, out: DraftOutput) -> None:
         """Each request's tree up to k deep, depth by depth: the passes of a depth's expanded nodes run as one batch,
         and each pass's top tokens become the node's children (the root's pass: the catch-up's last, `roots`). Point
-        masses: the tree rejection sampler keeps any request's output exact. Returns each tree and its head outputs
-        by node (the root, 0, and the nodes with a pass), which ranked their children."""
+        masses: the tree rejection sampler keeps any request's output exact."""
         trees = [self._tree(req, k) for req, k in wanted]
-        outputs: list[dict[int, torch.Tensor]] = [{0: roots[i]} for i in range(len(wanted))]
         frontier, last = [(i, 0) for i in range(len(wanted))], roots
         while frontier:
             logprobs = self.head.logits(last, self.target.lm_head).log_softmax(dim=-1)
@@ -163,14 +161,11 @@ class EagleProposer:
                 req, tree = wanted[i][0], trees[i]
                 root = req.num_tokens - 2
                 chunks.append(TokenChunk([tree.token_ids[node]], tree.pass_slot(node, root), req.block_ids))
-                rows.append((root + tree.depths[node], tree.hidden_slots(node, root)))
-            parents = [parent_rows[(i, trees[i].parents[node])] for i, node in frontier]
+                rows.append((root + tree.shape.depths()[node], tree.hidden_slots(node, root)))
+            parents = [parent_rows[(i, trees[i].shape.parent(node))] for i, node in frontier]
             last = self._pass(chunks, last[parents], rows)
-            for row, (i, node) in enumerate(frontier):
-                outputs[i][node] = last[row]
         for (req, _), tree in zip(wanted, trees):
             out.spec_token_ids[req.request_id], out.spec_tree_parents[req.request_id] = tree.drafts()
-        return list(zip(trees, outputs))
 
     def _tree(self, req: DraftingRequest, depth: int) -> DraftTree:
         """The request's tree up to `depth`, its passes within the slots reserved after its root."""

@@ -14,35 +14,25 @@ log-probability, each into its `topk` best tokens, then keeps the best `num_draf
 child never scores above its parent, so they form a tree)."""
 from collections.abc import Sequence
 
+from inferno.core.spec_tree import SpecTree, tree_of_paths
+
 
 class DraftTree:
-    """A request's tree as its head grows it: node 0 is the root, each later node a token under an earlier one."""
+    """A request's tree as its head grows it: its tokens on `shape` (node 0 the root), and the slots of its passes."""
 
     width: int  # how many of a pass's top tokens `grow` reads
 
-    def __init__(self) -> None:
-        self.token_ids, self.parents, self.depths = [0], [-1], [0]
+    def __init__(self, shape: SpecTree) -> None:
+        self.shape = shape
+        self.token_ids = [0] * shape.num_nodes  # the root's is not drafted
         self.passes: list[int] = []  # the nodes given a pass, in order: pass j writes slot root + 1 + j
-
-    def add(self, parent: int, token_id: int) -> int:
-        self.token_ids.append(token_id)
-        self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1)
-        return len(self.token_ids) - 1
-
-    def ancestors(self, node: int) -> list[int]:
-        """The nodes from the root down to `node`, both included."""
-        path = [node]
-        while path[-1]:
-            path.append(self.parents[path[-1]])
-        return path[::-1]
 
     def pass_slot(self, node: int, root: int) -> int:
         return root + 1 + self.passes.index(node)
 
     def hidden_slots(self, node: int, root: int) -> list[int]:
         """The slots of earlier passes that `node`'s pass must not see (other branches)."""
-        visible = set(self.ancestors(node))
+        visible = set(self.shape.ancestors(node))
         return [root + 1 + j for j, other in enumerate(self.passes[:self.passes.index(node)]) if other not in visible]
 
     def grow(self, node: int, top_ids: list[int], top_logprobs: list[float]) -> None:
@@ -62,20 +52,14 @@ class StaticTree(DraftTree):
     def __init__(self, token_tree: Sequence[tuple[int, ...]], depth: int, num_slots: int):
         """`token_tree` (paths of ranks sorted by length, then ranks) up to `depth`, its inner nodes' passes in the
         first `num_slots` slots after the root's (the nodes under the others dropped)."""
-        super().__init__()
         paths = [path for path in token_tree if len(path) <= depth]
         parents = {path[:-1] for path in paths}
         inner = [path for path in paths if path in parents]
         kept = set(inner[:num_slots]) | {()}
-        index = {(): 0}
-        self.ranks = [0]
-        for path in paths:
-            if path[:-1] in kept:
-                index[path] = self.add(index[path[:-1]], 0)
-                self.ranks.append(path[-1])
-        self.children: list[list[int]] = [[] for _ in self.token_ids]
-        for node in range(1, len(self.token_ids)):
-            self.children[self.parents[node]].append(node)
+        nodes = [path for path in paths if path[:-1] in kept]
+        super().__init__(tree_of_paths(nodes))
+        self.ranks = [0] + [path[-1] for path in nodes]
+        self.children = self.shape.children()
         self.width = max(self.ranks) + 1
         self._depth = 0
 
@@ -85,37 +69,41 @@ class StaticTree(DraftTree):
 
     def expand(self) -> list[int]:
         self._depth += 1
-        nodes = [n for n in range(1, len(self.token_ids)) if self.depths[n] == self._depth and self.children[n]]
+        depths = self.shape.depths()
+        nodes = [n for n in range(1, self.shape.num_nodes) if depths[n] == self._depth and self.children[n]]
         self.passes += nodes
         return nodes
 
     def drafts(self) -> tuple[list[int], list[int]]:
-        return self.token_ids[1:], self.parents[1:]
+        return self.token_ids[1:], list(self.shape.parents)
 
 
 class DynamicTree(DraftTree):
     def __init__(self, topk: int, num_drafts: int, depth: int):
-        super().__init__()
+        super().__init__(SpecTree(()))
         self.width, self.num_drafts, self.max_depth = topk, num_drafts, depth
         self.scores = [0.0]  # cumulative draft log-probabilities
         self._newest: list[int] = []  # the last depth's nodes
 
     def grow(self, node: int, top_ids: list[int], top_logprobs: list[float]) -> None:
-        for token_id, logprob in zip(top_ids[:self.width], top_logprobs):
-            self._newest.append(self.add(node, token_id))
-            self.scores.append(self.scores[node] + logprob)
+        children = list(zip(top_ids[:self.width], top_logprobs))
+        first = self.shape.num_nodes
+        self.shape = SpecTree(self.shape.parents + (node,) * len(children))
+        self.token_ids += [token_id for token_id, _ in children]
+        self.scores += [self.scores[node] + logprob for _, logprob in children]
+        self._newest += range(first, self.shape.num_nodes)
 
     def expand(self) -> list[int]:
         newest, self._newest = self._newest, []
-        if not newest or self.depths[newest[0]] >= self.max_depth:
+        if not newest or self.shape.depths()[newest[0]] >= self.max_depth:
             return []
         nodes = sorted(newest, key=lambda n: -self.scores[n])[:self.width]
         self.passes += nodes
         return nodes
 
     def drafts(self) -> tuple[list[int], list[int]]:
-        best = sorted(range(1, len(self.token_ids)), key=lambda n: (-self.scores[n], self.depths[n]))
-        kept = sorted(best[:self.num_drafts], key=lambda n: (self.depths[n], n))  # parents first
+        depths = self.shape.depths()
+        best = sorted(range(1, self.shape.num_nodes), key=lambda n: (-self.scores[n], depths[n]))
+        kept = sorted(best[:self.num_drafts], key=lambda n: (depths[n], n))  # parents first
         order = {0: 0} | {node: i for i, node in enumerate(kept, start=1)}
-        return [self.token_ids[n] for n in kept], [order[self.parents[n]] for n in kept]
-
+        return [self.token_ids[n] for n in kept], [order[self.shape.parent(n)] for n in kept]

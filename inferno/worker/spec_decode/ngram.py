@@ -2,8 +2,8 @@
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from inferno.config import SpeculativeConfig
 from inferno.core.scheduler_output import DraftOutput
+from inferno.speculative_config import SpeculativeConfig
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
 
 
