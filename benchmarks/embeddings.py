@@ -48,6 +48,7 @@ WORDS = ("the model reads every token of a prompt and pools its hidden states in
          "systems compare by cosine similarity across documents queries passages and questions about weather "
          "history science cooking travel music software engines kernels caches batches threads").split()
 CASES = {"short": (16, 64), "long": (256, 512)}
+MIN_COSINE = 0.99  # below it an engine's vectors are wrong, not rounded (bfloat16 keeps > 0.999)
 
 
 def make_st_folder(folder: Path, gguf: Path) -> Path:
@@ -247,6 +248,10 @@ def report(args: argparse.Namespace, model: str, engines: list[Engine], tokens: 
             lines.append("")
     body = "\n".join(lines)
     print(body)
+    wrong = [f"{e.name} ({case}: {e.min_cosine[case]:.4f})" for e in engines[1:] for case in CASES
+             if e.min_cosine[case] < MIN_COSINE]
+    if wrong:  # a speed of wrong vectors is no result: say so, leave RESULTS.md as it was
+        sys.exit(f"vectors far from sentence-transformers' (min cosine below {MIN_COSINE}): {', '.join(wrong)}")
     write_section(args.results, "embeddings", body)
 
 
