@@ -139,10 +139,11 @@ def test_steps_run_on_one_thread_fewer_while_the_decode_step_compiles_and_get_th
     """While the warm-up compiles (held back here), the serving thread's steps run on one thread fewer, leaving the
     compile a core; once the compiled step is handed over, on all of them. A long prompt's decode attention is split
     for the engine's threads, not the step's, so the tokens are all-eager's, on one thread and on two."""
-    release = threading.Event()
-    load_or_compile = WarmUp._load_or_compile
-    monkeypatch.setattr(WarmUp, "_load_or_compile",
-                        lambda self, folder: (release.wait(), load_or_compile(self, folder))[1])
+    compiling, release = threading.Event(), threading.Event()
+    compile_and_warm_up = WarmUp._compile_and_warm_up
+    monkeypatch.setattr(WarmUp, "_compile_and_warm_up",
+                        lambda self: (compiling.set(), release.wait(), compile_and_warm_up(self))[2])
+    monkeypatch.setattr(warm_up, "read_precompiled", lambda path: None)  # compiled, though an earlier test saved it
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -154,6 +155,7 @@ def test_steps_run_on_one_thread_fewer_while_the_decode_step_compiles_and_get_th
                             lambda *args: (threads.append(torch.get_num_threads()), forward(*args))[1])
         prompt = {"prompt_token_ids": [3 + i % 50 for i in range(300)]}  # 2 splits of its keys on 2 threads
         [ref] = [o.outputs[0] for o in eager.generate([prompt], PARAMS, use_tqdm=False)]
+        assert compiling.wait(timeout=300)
         [while_compiling] = [o.outputs[0] for o in llm.generate([prompt], PARAMS, use_tqdm=False)]
         assert runner.compiled_decode is None and set(threads) == {1}
         release.set()

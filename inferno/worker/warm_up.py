@@ -44,9 +44,9 @@ class WarmUp:
     beyond the pool no request holds) and hand it to the runner with `hand_over`, which its next decode step uses;
     `huge_pages`: move the weights afterwards.
 
-    While it loads or compiles the decode step, steps run on one thread fewer (`step_threads`, which the runner
-    applies to the serving thread before each step), and the compile runs at the serving thread's priority: it has a
-    core of its own. Niced beside a serving thread busy on every core (whose OpenMP threads spin between operators),
+    While it compiles the decode step (not while it loads a precompiled one: seconds), steps run on one thread fewer
+    (`step_threads`, which the runner applies to the serving thread before each step), and the compile runs at the
+    serving thread's priority: it has a core of its own. Niced beside a serving thread busy on every core (whose OpenMP threads spin between operators),
     a compile never finished under steady load, and held the GIL the serving thread waited for."""
 
     def __init__(self, model: torch.nn.Module, attention, tile_switch: TileSwitch, compile_decode: bool,
@@ -110,7 +110,6 @@ class WarmUp:
         start = time.perf_counter()
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
-        self.step_threads = max(1, self.threads - 1)
         try:
             with torch.inference_mode():
                 compiled = self._load_or_compile(folder)
@@ -148,6 +147,7 @@ class WarmUp:
                 return self._warm_up_loaded(loaded, path)
             except Exception:
                 self._drop_precompiled(path, folder)
+        self.step_threads = max(1, self.threads - 1)  # until _compile_decode_step is over
         hits = compile_cache_hits()
         try:
             compiled = self._compile_and_warm_up()
