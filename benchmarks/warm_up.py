@@ -1,5 +1,6 @@
 """The warm-up timeline of a first and a second start of the same model: seconds from the command to the compiled
-decode step, decode speed over time, and the slowest step while the engine warms up.
+decode step (and the CPU time spent until then), decode speed over time, and the slowest step while the engine warms
+up.
 
 Each start is a new process (`python warm_up.py --child ...`) that builds an `LLMEngine` with the defaults and
 decodes one greedy request of --max-tokens after another (--gap seconds apart), timing every engine step from the
@@ -38,7 +39,7 @@ def child(args: argparse.Namespace) -> None:
     engine = LLMEngine(EngineConfig(model=args.model))
     runner = engine.model_runner
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    steps, compiled_at, request = [], None, 0
+    steps, compiled_at, cpu_at_compiled, request = [], None, None, 0
     while time.time() - args.launched < args.duration:
         engine.add_request(str(request), PROMPT, params)
         request += 1
@@ -52,10 +53,17 @@ def child(args: argparse.Namespace) -> None:
             steps.append((start - args.launched, end - start, tokens, runner.compiled_decode is not None))
             if compiled_at is None and runner.compiled_decode is not None:
                 compiled_at = end - args.launched
+                cpu_at_compiled = cpu_seconds()
         if compiled_at is not None and time.time() - args.launched > compiled_at + args.after:
             break
         time.sleep(args.gap)
-    print(json.dumps({"steps": steps, "compiled_at": compiled_at}))
+    print(json.dumps({"steps": steps, "compiled_at": compiled_at, "cpu_at_compiled": cpu_at_compiled}))
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process and the processes it has waited for (the compilers inductor ran) have used."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def run_start(args: argparse.Namespace, cache: str) -> dict:
@@ -90,7 +98,8 @@ def summary(name: str, result: dict, window: float) -> list:
               f"{sum(t for _, t in v) / max(sum(d for d, _ in v), 1e-9):.0f}" for b, v in sorted(buckets.items())]
     decode = [d for _, d, t, c in steps if t and c]
     steady = 1 / statistics.median(decode) if decode else None
-    return [name, compiled_at, slowest_warm, slowest, steady, steps[0][0] + steps[0][1], "; ".join(speeds)]
+    return [name, compiled_at, result["cpu_at_compiled"], slowest_warm, slowest, steady, steps[0][0] + steps[0][1],
+            "; ".join(speeds)]
 
 
 def fmt(value: float | None, unit: str = " s") -> str:
@@ -133,10 +142,10 @@ def main() -> None:
              f"- Command (from benchmarks/): `{command}`; model {Path(args.model).name}",
              f"- One greedy {args.max_tokens}-token request after another ({args.gap:g} s apart) from the command on, "
              "every step timed; times from the command",
-             "", "| start | compiled decode from | slowest step before it | slowest step | steady decode | "
-             "first token | decode tok/s over time |", "|---|---:|---:|---:|---:|---:|---|"]
-    for name, compiled, slowest_warm, slowest, steady, first, speeds in rows:
-        lines.append(f"| {name} | {fmt(compiled)} | {fmt(slowest_warm)} | {fmt(slowest)} | "
+             "", "| start | compiled decode from | CPU time until then | slowest step before it | slowest step | "
+             "steady decode | first token | decode tok/s over time |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, compiled, cpu, slowest_warm, slowest, steady, first, speeds in rows:
+        lines.append(f"| {name} | {fmt(compiled)} | {fmt(cpu)} | {fmt(slowest_warm)} | {fmt(slowest)} | "
                      f"{fmt(steady, ' tok/s')} | {fmt(first)} | {speeds} |")
     print("\n".join(lines))
     if args.output:

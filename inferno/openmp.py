@@ -34,9 +34,14 @@ def release_thread_pool() -> None:
 
 
 def run_ops_on_this_thread() -> None:
-    """From now on this thread's ops run on it alone, without a pool of its own; other threads keep theirs.
-    (`torch.set_num_threads` would change every thread's count, and MKL's.)"""
+    """From now on this thread's ops run on it alone, without a pool of its own; other threads keep theirs."""
+    use_threads_on_this_thread(1)
+
+
+def use_threads_on_this_thread(threads: int) -> None:
+    """From now on this thread's ops run on `threads` threads; other threads keep their count. (`torch.set_num_threads`
+    would change every thread's count, and MKL's.)"""
     runtime = _runtime()
-    if runtime is not None:
-        torch.get_num_threads()  # PyTorch sets a thread's OpenMP count on its first use; do it first
-        runtime.omp_set_num_threads(1)
+    # PyTorch sets a thread's OpenMP count on its first use (get_num_threads does it first)
+    if runtime is not None and torch.get_num_threads() != threads:
+        runtime.omp_set_num_threads(threads)

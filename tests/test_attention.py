@@ -85,6 +85,25 @@ def test_a_sequence_decodes_the_same_bits_alone_or_batched(threads):
 
 
 @needs_kernels
+def test_a_sequence_decodes_the_same_bits_on_fewer_threads_than_it_is_split_for():
+    """The splits follow the threads named (the engine's), not those the call runs on (the serving thread runs on one
+    fewer while the decode step compiles): the same bits on 1, 2 or 4 threads; split for one thread, other bits."""
+    require_kernels()
+    attn, q, tables, seq_lens = random_batch(torch.float16, [5, 700, 2000])
+    args = (q.float(), attn.k_cache, attn.v_cache, tables, seq_lens, HEAD_DIM ** -0.5, 0)
+    previous, outputs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            outputs.append(torch.ops.inferno.paged_decode_attention(*args, 4))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+    assert not torch.equal(outputs[0], torch.ops.inferno.paged_decode_attention(*args, 1))
+    assert (outputs[0] - dense_reference(attn, q.float(), tables, seq_lens)).abs().max().item() < 1e-5
+
+
+@needs_kernels
 @EACH_ISA_LEVEL
 def test_each_isa_level_of_the_decode_kernel_matches_dense(tmp_path, level):
     """The 16-lane path (AVX-512), the 8-lane one (AVX2 + FMA + F16C) and the plain loops: float32 queries over

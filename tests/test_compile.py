@@ -135,6 +135,41 @@ def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monke
     assert_all_blocks_free(engine)
 
 
+def test_steps_run_on_one_thread_fewer_while_the_decode_step_compiles_and_get_the_same_bits(model, monkeypatch):
+    """While the warm-up compiles (held back here), the serving thread's steps run on one thread fewer, leaving the
+    compile a core; once the compiled step is handed over, on all of them. A long prompt's decode attention is split
+    for the engine's threads, not the step's, so the tokens are all-eager's, on one thread and on two."""
+    compiling, release = threading.Event(), threading.Event()
+    compile_and_warm_up = WarmUp._compile_and_warm_up
+    monkeypatch.setattr(WarmUp, "_compile_and_warm_up",
+                        lambda self: (compiling.set(), release.wait(), compile_and_warm_up(self))[2])
+    monkeypatch.setattr(warm_up, "read_precompiled", lambda path: None)  # compiled, though an earlier test saved it
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eager = LLM(model, kv_cache_memory=16 << 20, dtype="float32", enforce_eager=True)
+        llm = LLM(model, kv_cache_memory=16 << 20, dtype="float32", enforce_eager=False)
+        runner, threads = llm.llm_engine.model_runner, []
+        forward = runner.forward
+        monkeypatch.setattr(runner, "forward",
+                            lambda *args: (threads.append(torch.get_num_threads()), forward(*args))[1])
+        prompt = {"prompt_token_ids": [3 + i % 50 for i in range(300)]}  # 2 splits of its keys on 2 threads
+        [ref] = [o.outputs[0] for o in eager.generate([prompt], PARAMS, use_tqdm=False)]
+        assert compiling.wait(timeout=300)
+        [while_compiling] = [o.outputs[0] for o in llm.generate([prompt], PARAMS, use_tqdm=False)]
+        assert runner.compiled_decode is None and set(threads) == {1}
+        release.set()
+        assert runner.wait_for_warm_up()
+        threads.clear()
+        [compiled] = [o.outputs[0] for o in llm.generate([prompt], PARAMS, use_tqdm=False)]
+        assert set(threads) == {2} and runner.compiled_decode.num_compiled_steps >= PARAMS.max_tokens - 1
+    finally:
+        release.set()
+        torch.set_num_threads(previous)
+    assert_identical(ref, while_compiling)
+    assert_identical(ref, compiled)
+
+
 def test_fx_tracing_on_the_compile_thread_leaves_other_threads_modules_alone():
     """FX patches torch.nn.Module.__call__ for the whole process while it traces; within the compile's context a
     module called on another thread (the serving thread's eager step) runs as usual, while the tracing thread's

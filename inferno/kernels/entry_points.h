@@ -47,7 +47,7 @@ namespace cpu {
 
 // paged_attention.cpp, prefill_attention.cpp
 void paged_decode_attention(const View& q, const View& k_cache, const View& v_cache, const View& block_tables,
-                            const View& seq_lens, double scale, int64_t window, const View& out);
+                            const View& seq_lens, double scale, int64_t window, int64_t threads, const View& out);
 void paged_prefill_attention(const View& q, const View& k, const View& v, const View& k_cache, const View& v_cache,
                              const View& block_tables, const View& query_start, const View& seq_lens, double scale,
                              int64_t window, const View& out);

@@ -24,7 +24,7 @@ def register_fake_ops():
 
 def register_attention():
     @torch.library.register_fake("inferno::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window=0):
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window=0, threads=0):
         return torch.empty_like(q)
 
     @torch.library.register_fake("inferno::paged_prefill_attention")

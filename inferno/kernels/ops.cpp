@@ -77,9 +77,11 @@ Tensor dequantized(int64_t n, int64_t k, at::ScalarType dtype, const at::TensorO
 // ---- attention (paged_attention.cpp, prefill_attention.cpp) ----
 
 // q [B, H, D]; caches [KVH, num_blocks, block_size, D]; block_tables [B, W] int64; seq_lens [B] int64;
-// D a multiple of 16, at most 256; window > 0: only the last `window` keys of each sequence
+// D a multiple of 16, at most 256; window > 0: only the last `window` keys of each sequence; threads > 0: the threads
+// a sequence's keys are split for (the engine's), else the calling thread's
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                              const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t window) {
+                              const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t window,
+                              int64_t threads) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong, "seq_lens: int64");
@@ -91,7 +93,7 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256, "head_dim must be a multiple of 16 up to 256, got ", q.size(2));
   auto out = at::empty_like(q);
   cpu::paged_decode_attention(view(q), view(k_cache), view(v_cache), view(block_tables), view(seq_lens), scale, window,
-                              view(out));
+                              threads > 0 ? threads : inferno::num_threads(), view(out));
   return out;
 }
 
@@ -583,7 +585,7 @@ Tensor lora_bgmv(const Tensor& x, const Tensor& lora_a, const Tensor& lora_b, co
 
 TORCH_LIBRARY(inferno, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window=0) -> Tensor");
+        "float scale, int window=0, int threads=0) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_start, Tensor seq_lens, float scale, int window=0) -> Tensor");
 

@@ -5,7 +5,8 @@
 // Work items are (sequence, kv head, split): a long sequence is cut into splits of whole blocks so that one
 // request still keeps every thread busy (flash-decoding). Each split keeps its own max, softmax denominator and
 // unnormalised output; the splits are merged at the end, rescaled to the common max. How a sequence is split
-// depends on its length alone (and the thread count), so its output does not depend on the batch it is in.
+// depends on its length alone (and the thread count it is planned for, the engine's, not the threads it runs on), so
+// its output does not depend on the batch it is in.
 //
 // Within a split everything is one register wide (GCC vector extensions of the machine's width: 16 floats with
 // AVX-512, 8 with AVX2 — a vector wider than the registers compiles into stack traffic): each K/V row comes from
@@ -177,12 +178,13 @@ struct Item {  // one work item: keys [first, last) of sequence b for kv head h,
   int64_t b, h, s, splits, first, last;
 };
 
-// Every sequence's work items. A sequence's splits depend on its own length only, never on the rest of the batch, so
-// its output is the same bits alone or batched: as many as would keep every thread busy were it alone, each a whole
-// number of blocks and at least kMinSplitTokens long.
+// Every sequence's work items. A sequence's splits depend on its own length and `threads` only, never on the rest of
+// the batch or on the threads the call runs on, so its output is the same bits alone or batched, on all threads or
+// fewer: as many as would keep `threads` threads busy were it alone, each a whole number of blocks and at least
+// kMinSplitTokens long.
 inline std::vector<Item> work_items(const int64_t* seq_lens, int64_t batch, int64_t num_kv_heads, int64_t block_size,
-                                    int64_t window) {
-  const int64_t wanted = (2 * inferno::num_threads() + num_kv_heads - 1) / num_kv_heads;
+                                    int64_t window, int64_t threads) {
+  const int64_t wanted = (2 * threads + num_kv_heads - 1) / num_kv_heads;
   const int64_t min_blocks = (kMinSplitTokens + block_size - 1) / block_size;
   std::vector<Item> items;
   items.reserve(batch * num_kv_heads);
@@ -207,9 +209,9 @@ template <typename T, typename C>
 void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, T* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                    int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t table_width, float scale,
-                   int64_t window) {
+                   int64_t window, int64_t threads) {
   const int64_t group = num_heads / num_kv_heads;
-  const std::vector<Item> items = work_items(seq_lens, batch, num_kv_heads, block_size, window);
+  const std::vector<Item> items = work_items(seq_lens, batch, num_kv_heads, block_size, window, threads);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const auto write = [&](const Item& item, const float* acc, const float* denom) {
     for (int64_t g = 0; g < group; ++g) {
@@ -274,14 +276,14 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t
 namespace inferno::cpu {
 
 void paged_decode_attention(const View& q, const View& k_cache, const View& v_cache, const View& block_tables,
-                            const View& seq_lens, double scale, int64_t window, const View& out) {
+                            const View& seq_lens, double scale, int64_t window, int64_t threads, const View& out) {
   const auto run = [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
     decode_kernel<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), block_tables.data_ptr<int64_t>(),
                      seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), q.size(1), k_cache.size(0),
                      k_cache.size(1), k_cache.size(2), q.size(2), block_tables.size(1), static_cast<float>(scale),
-                     window);
+                     window, threads);
   };
   dispatch_query_and_cache(q.scalar_type(), k_cache.scalar_type(), run);
 }

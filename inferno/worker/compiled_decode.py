@@ -56,9 +56,17 @@ def graphs_of(model: torch.nn.Module) -> dict[str, tuple[int, bool]]:
 def compile_options() -> dict:
     """Inductor's options for the graphs: fused elementwise code and a C++ wrapper (its ~8 kernel and operator calls
     per layer cost no Python, about 5-10 % of a SmolLM2 decode step on 2 AVX2 cores), loops parallel over the serving
-    thread's count, the vector width named (`vector_width_option`)."""
+    thread's count, the vector width named (`vector_width_option`). The wrapper (straight-line calls: SmolLM2's is
+    thousands of lines in one function) is built apart from the fused kernels, at -O1 instead of their -O3, and
+    without precompiled headers (NO_PRECOMPILED_HEADERS)."""
     return {"emulate_precision_casts": True, "cpp_wrapper": True, "cpp.threads": torch.get_num_threads(),
-            **vector_width_option()}
+            "cpp_wrapper_build_separate": True, **NO_PRECOMPILED_HEADERS, **vector_width_option()}
+
+
+# Inductor precompiles torch's headers into /tmp, outside the compile cache, and every process that builds or even
+# loads a library preprocesses them again to check that file (g++ -E, seconds): one graph's build gains less than
+# that costs, and loading a precompiled step needs no header at all.
+NO_PRECOMPILED_HEADERS = {"cpp_cache_precompile_headers": False}
 
 
 def import_compiler() -> None:
@@ -168,13 +176,15 @@ def phase_seconds() -> dict[str, float]:
 def load_graphs(serialized: dict[str, bytes]) -> CompiledDecode:
     """The graphs of a precompiled artifact (raises where it cannot be used: another torch or Python, a damaged
     entry). Their C++ libraries come from inductor's cache folder (built again where missing)."""
+    import torch._inductor.config
     from torch._dynamo.aot_compile import AOTCompiledFunction
     # the guards' state names the native operators' namespace as a module, which unpickling imports by name
     sys.modules.setdefault("torch.ops.inferno", torch.ops.inferno)
     graphs = {}
-    for name in serialized:
-        graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
-        graphs[name].disable_guard_check()
+    with torch._inductor.config.patch(NO_PRECOMPILED_HEADERS):
+        for name in serialized:
+            graphs[name] = AOTCompiledFunction.deserialize(serialized[name])
+            graphs[name].disable_guard_check()
     return CompiledDecode(graphs)
 
 

@@ -10,6 +10,7 @@ from inferno.layers.kv_quantization import KV_CACHE_DTYPES, kv_element_bytes
 from inferno.layers.lora import LoRAMapping
 from inferno.layers.sampler import Sampler, gather_logprobs
 from inferno.model.llama import LlamaForCausalLM
+from inferno.openmp import use_threads_on_this_thread
 from inferno.worker.input_batch import MicroBatch, StepInput, StepPlan, plan_step
 from inferno.worker.pipeline import run_first_stage, run_later_stage
 from inferno.worker.compile_cache import stable_block_capacity
@@ -103,6 +104,7 @@ class ModelRunner:
             self.warm_up = WarmUp(model, self.attention, self.tile_switch, compile_decode,
                                   huge_pages=device.type == "cpu", scratch_block=self.scratch_block,
                                   block_size=self.block_size, hand_over=self._use_compiled_decode)
+            self._step_threads = self.warm_up.threads
             self.warm_up.start()
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -123,6 +125,12 @@ class ModelRunner:
         """Block until the background warm-up is over (the steady state); True if decode steps now run compiled."""
         return self.warm_up is not None and self.warm_up.wait(timeout)
 
+    def _use_step_threads(self) -> None:
+        """The serving thread's ops on one thread fewer while the warm-up compiles, on all of them again after."""
+        if self.warm_up is not None and self.warm_up.step_threads != self._step_threads:
+            self._step_threads = self.warm_up.step_threads
+            use_threads_on_this_thread(self._step_threads)
+
     def _use_compiled_decode(self, compiled: CompiledDecode) -> None:
         """The warm-up's hand-over: the next decode step runs compiled (the same bits as eager)."""
         self.compiled_decode = compiled
@@ -131,6 +139,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step on this rank: its requests brought up to date, the flat batches planned (every rank alike, one
         micro-batch per pipeline stage), the forward pass; rank 0 samples and returns the output."""
+        self._use_step_threads()
         with self.tile_switch.step():
             update_states(self.requests, sched, self.device)
             plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size,
@@ -159,6 +168,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Logits [step.num_logit_rows, vocab] on rank 0; None on the other ranks."""
+        self._use_step_threads()
         with self.tile_switch.step():
             return self.forward_step(step)[0]
 

@@ -28,8 +28,7 @@ from inferno.worker.tile_switch import TileSwitch
 
 logger = logging.getLogger("inferno")
 
-# the warm-up thread's niceness while it compiles: serving keeps its core, yet the thread (which holds the GIL while
-# tracing) is not starved for long by other processes, which would stall the serving thread waiting for the GIL
+# the warm-up thread's niceness while it copies the weights to huge pages (not while it compiles: see step_threads)
 WARM_UP_NICENESS = 10
 # seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
 # GIL, and the copy to huge pages takes memory bandwidth), then starts anyway (with the tiles, if no step came)
@@ -43,7 +42,12 @@ WARM_UP_STOP_WAIT = 10.0
 class WarmUp:
     """One runner's warm-up thread. `compile_decode`: compile the decode step (warmed up on `scratch_block`, a block
     beyond the pool no request holds) and hand it to the runner with `hand_over`, which its next decode step uses;
-    `huge_pages`: move the weights afterwards."""
+    `huge_pages`: move the weights afterwards.
+
+    While it compiles the decode step (not while it loads a precompiled one: seconds), steps run on one thread fewer
+    (`step_threads`, which the runner applies to the serving thread before each step), and the compile runs at the
+    serving thread's priority: it has a core of its own. Niced beside a serving thread busy on every core (whose OpenMP threads spin between operators),
+    a compile never finished under steady load, and held the GIL the serving thread waited for."""
 
     def __init__(self, model: torch.nn.Module, attention, tile_switch: TileSwitch, compile_decode: bool,
                  huge_pages: bool, scratch_block: int | None, block_size: int,
@@ -53,6 +57,8 @@ class WarmUp:
         self.scratch_block, self.block_size = scratch_block, block_size
         self.hand_over = hand_over
         self.compiled = False  # whether decode steps were handed a compiled step
+        self.threads = torch.get_num_threads()  # the engine's
+        self.step_threads = self.threads  # what steps run on now
         self._thread = threading.Thread(target=self._run, name="inferno-warm-up", daemon=True)
 
     def start(self) -> None:
@@ -74,10 +80,7 @@ class WarmUp:
         stop_thread(self._thread)
 
     def _run(self) -> None:
-        """Its long work (a compile, the copy to huge pages) at a lower OS priority (Linux), as are the compiler
-        processes it starts, so serving keeps its core; loading a precompiled step at the serving thread's: beside
-        a busy serving thread (whose OpenMP threads spin between operators) a niced thread got little CPU, and took
-        tens of seconds for seconds of work, holding the GIL the serving thread waits for."""
+        """The copy to huge pages at a lower OS priority (Linux); the decode step on a core of its own."""
         try:
             if self.compile_decode:
                 self._compile_decode_step()  # tiles the weights when its graphs need them
@@ -115,6 +118,7 @@ class WarmUp:
             return
         finally:
             sys.setswitchinterval(switch_interval)
+            self.step_threads = self.threads
         self.hand_over(compiled)
         self.compiled = True
         logger.info("decode steps run compiled from now on (warmed up in %.1f s; compile cache %s)",
@@ -143,7 +147,7 @@ class WarmUp:
                 return self._warm_up_loaded(loaded, path)
             except Exception:
                 self._drop_precompiled(path, folder)
-        lower_thread_priority()
+        self.step_threads = max(1, self.threads - 1)  # until _compile_decode_step is over
         hits = compile_cache_hits()
         try:
             compiled = self._compile_and_warm_up()

@@ -19,6 +19,9 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kernels = paged_attention()
+        # the threads a decode row's keys are split for: the engine's, also where a step runs on fewer (while the
+        # decode step compiles), so its bits never depend on when it ran
+        self.threads = torch.get_num_threads()
 
     @staticmethod
     def supports(head_dim: int, quantized_kv: bool, softcap: float | None) -> str | None:
@@ -95,4 +98,5 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     def decode(self, layer: Attention, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q.contiguous(), layer.k_cache, layer.v_cache, group.block_tables,
-                                                   group.seq_lens, layer.scale, layer.sliding_window or 0)
+                                                   group.seq_lens, layer.scale, layer.sliding_window or 0,
+                                                   self.threads)
