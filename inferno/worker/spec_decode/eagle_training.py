@@ -25,8 +25,6 @@ REGRESSION_WEIGHT = 1.0  # the paper's w_reg
 CLASSIFICATION_WEIGHT = 0.1  # the paper's w_cls
 NORMALISED = True  # train on embeddings and features divided by their RMS (`normalised`), then fold the scales in
 SOFT_LABELS = True  # cross entropy against the target's own distribution at p + 1 (else its token at p + 2)
-DATA_VOCABULARY = True  # train through the LM head's rows of the tokens the training positions hold only (a few
-#                         thousand of 150k: the LM head is most of the cost); the head is measured on the whole
 BF16_LM_HEAD = True  # the frozen LM head's matmuls in bfloat16 (most of the cost; the head itself stays float32)
 WARMUP_FRACTION = 0.05  # of the steps: the learning rate rises linearly, then follows a cosine down to 0
 
@@ -118,21 +116,7 @@ def logits_of(lm_head: torch.nn.Module, features: torch.Tensor) -> torch.Tensor:
     return lm_head(features.to(lm_head.weight.dtype)).float()
 
 
-def data_vocabulary(lm_head: torch.nn.Module, examples: list) -> tuple[torch.nn.Module, torch.Tensor | None]:
-    """The LM head cut to the tokens the examples' labels hold, and each token id's row in it (-1: none); with
-    DATA_VOCABULARY off, the LM head itself and None."""
-    if not DATA_VOCABULARY:
-        return lm_head, None
-    vocab = torch.unique(torch.cat([e[2][e[2] != -100] for e in examples]))
-    cut = torch.nn.Linear(lm_head.in_features, len(vocab), bias=False)
-    cut.weight = torch.nn.Parameter(lm_head.weight[vocab].clone(), requires_grad=False)
-    rows = torch.full((lm_head.out_features,), -1)
-    rows[vocab] = torch.arange(len(vocab))
-    return cut, rows
-
-
-def loss_of(head: EagleHead, lm_head: torch.nn.Module, batch, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """`lm_head` maps features to the logits of the tokens whose row in it `rows` gives (None: every token's)."""
+def loss_of(head: EagleHead, lm_head: torch.nn.Module, batch) -> torch.Tensor:
     embeds, features, labels, next_features = batch
     kept = labels != -100
     out, target = head.forward_dense(embeds, features)[kept], next_features[kept]
@@ -141,7 +125,7 @@ def loss_of(head: EagleHead, lm_head: torch.nn.Module, batch, rows: torch.Tensor
         with torch.no_grad():
             labels = logits_of(lm_head, target).softmax(-1)
     else:
-        labels = labels[kept] if rows is None else rows[labels[kept]]
+        labels = labels[kept]
     return REGRESSION_WEIGHT * regression + CLASSIFICATION_WEIGHT * F.cross_entropy(logits_of(lm_head, out), labels)
 
 
@@ -169,12 +153,11 @@ def train_on(head: EagleHead, lm_head: torch.nn.Module, train: list, test: list,
     per_step = max(1, config.batch_size // longest)  # batch_size counts positions
     steps_per_epoch = -(-len(train) // per_step)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.epochs * steps_per_epoch))
-    train_lm_head, rows = data_vocabulary(lm_head, train)
     generator = torch.Generator().manual_seed(config.seed)
     with tqdm(total=config.epochs * steps_per_epoch, desc="training an EAGLE head", dynamic_ncols=True) as bar:
         for _ in range(config.epochs):
             for batch in batches(train, per_step, generator):
-                loss = loss_of(head, train_lm_head, batch, rows)
+                loss = loss_of(head, lm_head, batch)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
