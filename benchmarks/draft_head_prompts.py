@@ -24,7 +24,25 @@ QUESTIONS = ["Why do leaves change colour in autumn?", "How does a refrigerator 
              "Explain recursion to a beginner programmer.", "Suggest a plan for learning a new language.",
              "What makes a good unit test?", "Summarise the plot of a classic fairy tale.",
              "How do vaccines train the immune system?", "What is the difference between TCP and UDP?",
-             "Give advice for a first job interview.", "Why is the ocean salty?"]
+             "Give advice for a first job interview.", "Why is the ocean salty?",
+             "How do airplanes stay in the air?", "Write a haiku about a rainy morning.",
+             "What is a hash table and when would you use one?", "Explain how compound interest works.",
+             "Describe the water cycle for a child.", "What are the pros and cons of remote work?",
+             "How does a search engine rank web pages?", "Give me a recipe for a simple tomato soup.",
+             "What is the difference between weather and climate?", "Explain what an API is to a non-programmer.",
+             "Write a short story about a robot who learns to paint.", "How do I stay focused while studying?",
+             "What causes earthquakes?", "Compare Python and JavaScript for a beginner.",
+             "What does a database index do?", "How do plants make their food?",
+             "Write a polite email asking for a deadline extension.", "Why do we dream?",
+             "Explain Big O notation with examples.", "What are good habits for getting better sleep?",
+             "How does public-key cryptography work?", "Summarise the causes of the First World War.",
+             "What is machine learning, in simple terms?", "Give tips for writing a clear commit message.",
+             "How does the heart pump blood?", "What is the difference between a process and a thread?",
+             "Suggest five names for a coffee shop and explain each.", "Why is exercise good for the brain?",
+             "Explain how Git branches work.", "What should I pack for a weekend hiking trip?",
+             "How do solar panels produce electricity?", "What is the role of a compiler?",
+             "Describe the life cycle of a butterfly.", "What are microservices, and when are they a bad idea?",
+             "How can I make my code easier to test?", "Explain the difference between RAM and storage."]
 MAX_FILE_CHARS = 6000  # a prompt of at most ~2k tokens
 
 

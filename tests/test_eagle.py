@@ -11,7 +11,9 @@ import torch
 
 from conftest import FLOAT32, assert_all_blocks_free
 from inferno import LLM, SamplingParams
+from inferno.core.head_training import TrainingSequence
 from inferno.entrypoints.cli import main
+from inferno.entrypoints.train_draft_heads import read_sequences, write_sequences
 from inferno.layers.attention import select_attention_backend
 from inferno.loader.eagle_folder import read_eagle_folder
 from inferno.loader.safetensors import read_config
@@ -212,25 +214,58 @@ def test_seeded_sampling_with_eagle_is_reproducible_in_any_batch(eagle_llm, prom
 
 # a head trained here, on a model whose continuations it can learn
 
-@pytest.fixture(scope="module")
-def trained_head(cycle_model, tmp_path_factory) -> tuple[str, float]:
-    prompts = write_training_prompts(tmp_path_factory.mktemp("eagle_prompts"))
-    output = tmp_path_factory.mktemp("eagle_trained") / "head"
+TRAINING = ["--method", "eagle", "--max-tokens", "24", "--epochs", "6", "--learning-rate", "0.003", "--batch-size",
+            "256", "--held-out-fraction", "0.2", "--kv-cache-memory", str(32 << 20)]
+
+
+def train_head(model: str, output: Path, *options: str) -> float:
+    """`inferno train-draft-heads` with TRAINING and `options`; the held-out top-1 accuracy it printed."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        main(["train-draft-heads", cycle_model[0], "--method", "eagle", "--prompts", prompts, "--output",
-              str(output), "--max-tokens", "24", "--epochs", "6", "--learning-rate", "0.003", "--batch-size", "256",
-              "--held-out-fraction", "0.2", "--kv-cache-memory", str(32 << 20)])
-    return str(output), float(printed.getvalue().split("per head:")[1].split()[0])
+        main(["train-draft-heads", model, "--output", str(output), *TRAINING, *options])
+    return float(printed.getvalue().split("per head:")[1].split()[0])
+
+
+@pytest.fixture(scope="module")
+def trained_head(cycle_model, tmp_path_factory) -> tuple[str, float, Path]:
+    """The head's folder, its held-out accuracy, and the training sequences it saved."""
+    prompts = write_training_prompts(tmp_path_factory.mktemp("eagle_prompts"))
+    output = tmp_path_factory.mktemp("eagle_trained") / "head"
+    sequences = output.parent / "sequences.jsonl"
+    accuracy = train_head(cycle_model[0], output, "--prompts", prompts, "--save-sequences", str(sequences))
+    return str(output), accuracy, sequences
 
 
 def test_trained_head_learns_the_continuations(trained_head):
     """Held out, the head's top-1 is the next-but-one token at 90% of the continuation positions or more."""
-    folder, accuracy = trained_head
+    folder, accuracy, _ = trained_head
     assert accuracy >= 0.9, accuracy
     config = json.loads((Path(folder) / "config.json").read_text())
     assert config["architectures"] == ["EagleLlamaForCausalLM"]
     assert not read_eagle_folder(folder).own_lm_head  # it ends in the target's own LM head
+
+
+def test_training_again_on_the_saved_sequences_gives_the_same_head(cycle_model, trained_head, tmp_path):
+    """--sequences skips the generation: the same sequences and seed train the same weights."""
+    folder, accuracy, sequences = trained_head
+    saved = read_sequences(sequences, 1 << 20)  # one per prompt, each with its continuation
+    assert len(saved) == len(Path(write_training_prompts(tmp_path)).read_text().splitlines())
+    assert all(len(s.token_ids) > s.num_prompt_tokens for s in saved)
+    assert train_head(cycle_model[0], tmp_path / "again", "--sequences", str(sequences)) == accuracy
+    again, first = read_eagle_folder(tmp_path / "again"), read_eagle_folder(folder)
+    assert again.tensors.keys() == first.tensors.keys()
+    assert all(torch.equal(again.tensors[name], first.tensors[name]) for name in first.tensors)
+
+
+def test_saved_sequences_with_token_ids_outside_the_vocabulary_are_refused(tmp_path):
+    path = tmp_path / "sequences.jsonl"
+    write_sequences(path, [TrainingSequence([1, 2, 3], 1)])
+    assert read_sequences(path, 4) == [TrainingSequence([1, 2, 3], 1)]
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 3"):
+        read_sequences(path, 3)
+    path.write_text('{"token_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        read_sequences(path, 4)
 
 
 def test_trained_head_drafts_are_accepted_and_output_is_unchanged(cycle_model, trained_head):

@@ -21,7 +21,7 @@ with gc_paused(freeze=True):  # importing torch and inferno builds objects as lo
     from inferno.engine.llm_engine import LLMEngine
     from inferno.entrypoints.env import run_env
     from inferno.entrypoints.llm import LLM
-    from inferno.entrypoints.train_draft_heads import read_prompts, train_draft_heads
+    from inferno.entrypoints.train_draft_heads import read_prompts, read_sequences, train_draft_heads
     from inferno.sampling_params import RequestOutputKind, SamplingParams
     from inferno.server.cli_args import add_server_args, server_config
     from inferno.speculative_config import SpeculativeConfig
@@ -236,10 +236,14 @@ def run_train_draft_heads(args: argparse.Namespace) -> None:
     config = HeadTrainingConfig(args.method, args.num_heads, args.num_layers, args.epochs, args.learning_rate,
                                 args.batch_size, args.held_out_fraction, args.seed)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    prompts = read_prompts(args.prompts)
+    if (args.prompts is None) == (args.sequences is None):
+        raise SystemExit("train-draft-heads: give --prompts (to generate continuations) or --sequences (saved ones)")
+    prompts = None if args.prompts is None else read_prompts(args.prompts)
     llm = LLM(args.model, enforce_eager=True, num_threads=args.num_threads, kv_cache_memory=args.kv_cache_memory)
     try:
-        accuracy = train_draft_heads(llm, prompts, args.output, config, params)
+        sequences = None if args.sequences is None else read_sequences(args.sequences,
+                                                                       llm.llm_engine.model_config.vocab_size)
+        accuracy = train_draft_heads(llm, prompts, args.output, config, params, sequences, args.save_sequences)
     finally:
         llm.llm_engine.shutdown()
     print(f"wrote {args.output}; held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in accuracy)}")
@@ -251,7 +255,11 @@ def add_train_draft_heads(commands) -> None:
     train.add_argument("model", help="GGUF file or Hugging Face folder: the target the heads will draft for")
     train.add_argument("--method", default="medusa", choices=["medusa", "eagle"],
                        help="medusa: heads on the last hidden state; eagle: one decoder layer run autoregressively")
-    train.add_argument("--prompts", required=True, help='JSON lines: {"prompt": "..."} or {"messages": [...]}')
+    train.add_argument("--prompts", help='JSON lines: {"prompt": "..."} or {"messages": [...]}')
+    train.add_argument("--sequences", help="train on these saved sequences instead of generating from --prompts "
+                                           "(written by --save-sequences, by this model or one sharing its tokenizer)")
+    train.add_argument("--save-sequences", help="write the training sequences (prompt and continuation token ids) "
+                                                "here as JSON lines, to train again without generating")
     train.add_argument("--output", "-o", required=True, help="the heads' folder to write")
     defaults = HeadTrainingConfig()
     train.add_argument("--num-heads", type=int, default=defaults.num_heads,

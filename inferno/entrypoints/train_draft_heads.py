@@ -39,10 +39,43 @@ def generate_sequences(llm, prompts: list[dict], params: SamplingParams) -> list
             for o in outputs]
 
 
-def train_draft_heads(llm, prompts: list[dict], output: str | Path, config: HeadTrainingConfig,
-                      params: SamplingParams) -> list[float]:
-    """Writes the heads' folder to `output`; returns each head's top-1 accuracy on the held-out sequences."""
-    sequences = generate_sequences(llm, prompts, params)
+def write_sequences(path: str | Path, sequences: list[TrainingSequence]) -> None:
+    """JSON lines, each {"token_ids": [...], "num_prompt_tokens": n}: what `read_sequences` reads back."""
+    Path(path).write_text("".join(json.dumps({"token_ids": s.token_ids, "num_prompt_tokens": s.num_prompt_tokens})
+                                  + "\n" for s in sequences), encoding="utf-8")
+
+
+def read_sequences(path: str | Path, vocab_size: int) -> list[TrainingSequence]:
+    """Sequences written by `write_sequences` (by this model, or one sharing its tokenizer)."""
+    sequences = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            sequence = TrainingSequence([int(t) for t in entry["token_ids"]], int(entry["num_prompt_tokens"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}:{number}: expected {{\"token_ids\": [...], \"num_prompt_tokens\": n}}") from None
+        if not all(0 <= t < vocab_size for t in sequence.token_ids):
+            raise ValueError(f"{path}:{number}: a token id outside the model's vocabulary of {vocab_size}")
+        if not 0 < sequence.num_prompt_tokens <= len(sequence.token_ids):
+            raise ValueError(f"{path}:{number}: num_prompt_tokens must be in 1..{len(sequence.token_ids)}")
+        sequences.append(sequence)
+    if not sequences:
+        raise ValueError(f"{path} has no sequences")
+    return sequences
+
+
+def train_draft_heads(llm, prompts: list[dict] | None, output: str | Path, config: HeadTrainingConfig,
+                      params: SamplingParams, sequences: list[TrainingSequence] | None = None,
+                      save_sequences: str | Path | None = None) -> list[float]:
+    """Writes the heads' folder to `output`; returns each head's top-1 accuracy on the held-out sequences. The
+    training sequences are the target's continuations of `prompts`, or `sequences` as given (then `prompts` is
+    None); `save_sequences` keeps them as JSON lines for another run."""
+    if sequences is None:
+        sequences = generate_sequences(llm, prompts, params)
+    if save_sequences is not None:
+        write_sequences(save_sequences, sequences)
     # recording the hidden states writes the KV cache from block 0 on: no cached prefix may stay there
     llm.llm_engine.reset_prefix_cache()
     heads, accuracy = llm.llm_engine.executor.train_draft_heads(sequences, config)

@@ -30,6 +30,7 @@ def usable_sequences(runner: ModelRunner, sequences: list[TrainingSequence], wha
     return usable
 
 
+@torch.no_grad()
 def record_hidden_states(runner: ModelRunner, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
     """Per sequence, float32 hidden states [n, hidden] after the final norm; with no request holding blocks."""
     longest = max(len(s.token_ids) for s in sequences)
