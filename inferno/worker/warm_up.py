@@ -46,8 +46,9 @@ class WarmUp:
 
     While it compiles the decode step (not while it loads a precompiled one: seconds), steps run on one thread fewer
     (`step_threads`, which the runner applies to the serving thread before each step), and the compile runs at the
-    serving thread's priority: it has a core of its own. Niced beside a serving thread busy on every core (whose OpenMP threads spin between operators),
-    a compile never finished under steady load, and held the GIL the serving thread waited for."""
+    serving thread's priority: it has a core of its own. Niced beside a serving thread busy on every core (whose
+    OpenMP threads spin between operators), a compile never finished under steady load, and held the GIL the serving
+    thread waited for."""
 
     def __init__(self, model: torch.nn.Module, attention, tile_switch: TileSwitch, compile_decode: bool,
                  huge_pages: bool, scratch_block: int | None, block_size: int,

@@ -20,7 +20,7 @@ from inferno.model.eagle import EagleHead
 from inferno.worker.model_runner import ModelRunner
 from inferno.worker.spec_decode.head_training import dense_lm_head, record_hidden_states, usable_sequences
 
-# the loss (knobs read at call time, so that experiments can change them)
+# the recipe: the loss and its inputs
 REGRESSION_WEIGHT = 1.0  # the paper's w_reg
 CLASSIFICATION_WEIGHT = 0.1  # the paper's w_cls
 NORMALISED = True  # train on embeddings and features divided by their RMS (`normalised`), then fold the scales in
