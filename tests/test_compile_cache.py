@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from inferno.loader.model_loader import load_model
-from inferno.worker.compile_cache import precompiled_key, read_precompiled, structure, write_precompiled
+from inferno.worker.compile_cache import (precompiled_key, read_precompiled, stable_block_capacity, structure,
+                                          write_precompiled)
+from inferno.worker.kv_cache import AUTO_KV_CACHE_FRACTION, total_memory
 from inferno.worker.tile_switch import TileSwitch
 from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
@@ -178,3 +180,12 @@ def test_a_precompiled_file_cut_short_reads_as_none(tmp_path):
     assert read_precompiled(path) == {"one sequence": b"graph" * 100}
     path.write_bytes(path.read_bytes()[:-10])
     assert read_precompiled(path) is None and not path.exists()
+
+
+def test_the_cache_capacity_follows_the_machine_not_the_memory_available_at_start_up():
+    """Default pools either side of a power of two (the memory available differs from start to start) get caches of
+    the same shape, so the second start finds the first one's graphs; a larger pool (a kv_cache_memory beyond the
+    default's) still fits."""
+    block_bytes = int(total_memory() * AUTO_KV_CACHE_FRACTION) // 40000  # this machine's default pool: ~40000 blocks
+    assert stable_block_capacity(32837, block_bytes) == stable_block_capacity(32746, block_bytes) == 1 << 16
+    assert stable_block_capacity(70000, block_bytes) == 1 << 17

@@ -37,6 +37,7 @@ import torch
 
 from inferno.cache_dirs import compile_cache_dir
 from inferno.kernels import kernel_library
+from inferno.worker.kv_cache import AUTO_KV_CACHE_FRACTION, total_memory
 
 logger = logging.getLogger("inferno")
 
@@ -76,14 +77,16 @@ def compile_cache_hits() -> int:
     return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
 
 
-def stable_block_capacity(num_blocks: int) -> int:
-    """The blocks a CPU KV cache tensor is made with: `num_blocks` rounded up to a power of two. The compiled
-    decode step is specialised on the caches' shapes, while the pool's size follows the memory available at start-up,
-    which differs at every start (two starts of SmolLM2 here: 27004 and 21810 blocks), so each start compiled anew;
-    starts whose pools round to the same power share their graphs. The blocks past the pool (and its scratch block)
-    are never touched, and a CPU cache's pages are backed only once touched (`lazily_zeroed`): they cost address
-    space, not memory."""
-    return 1 << (num_blocks - 1).bit_length()
+def stable_block_capacity(num_blocks: int, block_bytes: int) -> int:
+    """The blocks a CPU KV cache tensor is made with: a power of two no smaller than `num_blocks` nor than the
+    largest default pool of this machine (AUTO_KV_CACHE_FRACTION of its RAM in blocks of `block_bytes`). The compiled
+    decode step is specialised on the caches' shapes, while the default pool's size follows the memory available at
+    start-up, which differs at every start (two starts of SmolLM2 on a 24 GiB machine: 32837 and 32746 blocks, either
+    side of 2^15: rounding the pool alone still compiled anew), so the capacity follows the machine's RAM instead. The
+    blocks past the pool (and its scratch block) are never touched, and a CPU cache's pages are backed only once
+    touched (`lazily_zeroed`): they cost address space, not memory."""
+    largest_default = int(total_memory() * AUTO_KV_CACHE_FRACTION) // block_bytes
+    return 1 << (max(num_blocks, largest_default, 1) - 1).bit_length()
 
 
 PRECOMPILED_HEADER = b"inferno precompiled decode step 1\n"

@@ -25,10 +25,15 @@ CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
 
 
+def total_memory() -> int:
+    """Bytes of RAM: what no start-up changes (available_memory is never more)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def available_memory() -> int:
     """Bytes this process can still allocate without swapping: the kernel's MemAvailable (the total RAM where that
     is unknown), or less where a container's memory limit is closer."""
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = total_memory()
     try:
         with open("/proc/meminfo") as meminfo:
             kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))

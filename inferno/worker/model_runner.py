@@ -74,7 +74,8 @@ class ModelRunner:
         self.scratch_block = num_blocks if fast_decode else None
         self.num_cache_blocks = num_blocks + fast_decode
         if fast_decode and device.type == "cpu":  # the compiled step's shapes the same from start to start
-            self.num_cache_blocks = stable_block_capacity(self.num_cache_blocks)
+            self.num_cache_blocks = stable_block_capacity(
+                self.num_cache_blocks, kv_bytes_per_block(self.config, self.block_size, engine_config.kv_cache_dtype))
         self.attention = select_attention_backend(
             engine_config.attention_backend, device, self.block_size, model.attention_layers[0].num_kv_heads,
             self.num_cache_blocks, self.config.head_dim, self.config.sliding_window, quantized_kv,
