@@ -3,6 +3,7 @@ prompts (batched), the executor records the target's hidden states over those se
 them, and the heads' folder is written where `speculative_config={"method": "medusa" | "eagle", "model": DIR}` loads
 it."""
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from inferno.core.head_training import HeadTrainingConfig, TrainingSequence
@@ -11,16 +12,20 @@ from inferno.loader.medusa_folder import write_medusa_folder
 from inferno.sampling_params import SamplingParams
 
 
+def json_lines(path: str | Path) -> Iterator[tuple[int, object]]:
+    """Each non-blank line of `path` parsed as JSON, with its line number (a line that is not JSON: ValueError)."""
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
+
+
 def read_prompts(path: str | Path) -> list[dict]:
     """JSON lines, each {"prompt": "..."} or {"messages": [...]} (chat messages, rendered with the template)."""
     prompts = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
+    for number, entry in json_lines(path):
         if not isinstance(entry, dict) or not (isinstance(entry.get("prompt"), str)
                                                or isinstance(entry.get("messages"), list)):
             raise ValueError(f"{path}:{number}: expected {{\"prompt\": \"...\"}} or {{\"messages\": [...]}}")
@@ -48,13 +53,10 @@ def write_sequences(path: str | Path, sequences: list[TrainingSequence]) -> None
 def read_sequences(path: str | Path, vocab_size: int) -> list[TrainingSequence]:
     """Sequences written by `write_sequences` (by this model, or one sharing its tokenizer)."""
     sequences = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, entry in json_lines(path):
         try:
-            entry = json.loads(line)
             sequence = TrainingSequence([int(t) for t in entry["token_ids"]], int(entry["num_prompt_tokens"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}:{number}: expected {{\"token_ids\": [...], \"num_prompt_tokens\": n}}") from None
         if not all(0 <= t < vocab_size for t in sequence.token_ids):
             raise ValueError(f"{path}:{number}: a token id outside the model's vocabulary of {vocab_size}")
