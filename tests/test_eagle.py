@@ -20,7 +20,10 @@ from inferno.loader.safetensors import read_config
 from inferno.model.eagle import EagleHead
 from inferno.worker.input_batch import TokenChunk, lay_out_chunks
 from inferno.worker.model_runner import kv_bytes_per_block
+from inferno.loader.eagle_folder import head_layer_config
+from inferno.worker.spec_decode import eagle_training, head_training
 from inferno.worker.spec_decode.eagle import build_eagle_head
+from inferno.worker.spec_decode.head_training import record_hidden_states
 from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
 from test_spec_heads import TOKEN_TREE, cycle_model, write_training_prompts  # noqa: F401 (fixture)
 
@@ -107,18 +110,33 @@ def write_layout(folder, layout: str, tensors: dict[str, torch.Tensor], config) 
                    folder / "pytorch_model.bin")
 
 
+def with_draft_vocabulary(tensors: dict[str, torch.Tensor], target_ids: list[int], config) -> None:
+    """An own LM head over `target_ids` (ascending) with its `d2t`, as vLLM's and SGLang's EAGLE-3 folders store it."""
+    ids = torch.tensor(target_ids)
+    tensors["lm_head.weight"] = torch.randn(len(ids), config.hidden_size)
+    tensors["d2t"] = ids - torch.arange(len(ids))
+    config.draft_vocab_size = len(ids)
+
+
+DRAFT_IDS = [0, 3, 4, 10, 11, 12, 40, 41, 77, 89]  # of the target's 90
+
+
 @pytest.mark.parametrize("layout, fc_bias, own_lm_head", [("vllm", False, False), ("sglang", True, False),
-                                                          ("vllm", True, True)])
+                                                          ("vllm", True, True), ("vllm", True, "draft vocabulary")])
 def test_folder_layouts_load_a_head_whose_logits_match_the_reference(tmp_path, target_config, layout, fc_bias,
                                                                      own_lm_head):
     torch.manual_seed(0)
     config, layer = hf_layer(32, 48, 4, 2, 90)
-    tensors = random_head_tensors(layer, 32, 90, fc_bias, own_lm_head)
+    tensors = random_head_tensors(layer, 32, 90, fc_bias, own_lm_head is True)
+    if own_lm_head == "draft vocabulary":
+        with_draft_vocabulary(tensors, DRAFT_IDS, config)
     write_layout(tmp_path / layout, layout, tensors, config)
     head = build_eagle_head(read_eagle_folder(tmp_path / layout), target_config)
     embeds, features, target_lm_head = torch.randn(7, 32), torch.randn(7, 32), torch.randn(90, 32)
     with torch.no_grad():
         expected = reference_logits(config, layer, tensors, embeds, features, target_lm_head)
+        if own_lm_head == "draft vocabulary":  # the draft vocabulary's logits at their target ids, -inf elsewhere
+            expected = torch.full((7, 90), float("-inf")).index_copy(1, torch.tensor(DRAFT_IDS), expected)
         lm_head = torch.nn.Linear(32, 90, bias=False)
         lm_head.weight.copy_(target_lm_head)
         dense = head.logits(head.forward_dense(embeds[None], features[None])[0], lm_head)
@@ -151,6 +169,12 @@ def test_bad_folders_are_refused_with_a_clear_error(tmp_path, target_config):
         read_eagle_folder(folder("deep", good, tensors | {"layers.1.post_attention_layernorm.weight": torch.ones(32)}))
     with pytest.raises(ValueError, match="vocabulary of 91 tokens"):
         build_eagle_head(read_eagle_folder(folder("vocab", good | {"vocab_size": 91}, tensors)), target_config)
+    for name, ids, rows, match in [("d2t_range", [0, 1, 90], 3, "outside the target's 90 tokens"),
+                                   ("d2t_twice", [0, 1, 1], 3, "twice"),
+                                   ("d2t_rows", [0, 1, 2], 4, "LM head and a d2t of as many rows")]:
+        draft = tensors | {"d2t": torch.tensor(ids) - torch.arange(3), "lm_head.weight": torch.randn(rows, 32)}
+        with pytest.raises(ValueError, match=match):
+            build_eagle_head(read_eagle_folder(folder(name, good | {"draft_vocab_size": 3}, draft)), target_config)
     config64, layer64 = hf_layer(64, 48, 4, 2, 90)
     with pytest.raises(ValueError, match="hidden size 64"):
         build_eagle_head(read_eagle_folder(folder("wide", config64.to_dict(),
@@ -166,8 +190,9 @@ def test_bad_folders_are_refused_with_a_clear_error(tmp_path, target_config):
 
 # speculation on the default model with a random head (its drafts are accepted now and then)
 
-@pytest.fixture(scope="module")
-def smol_head(llm, tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["target LM head", "draft vocabulary"])
+def smol_head(llm, tmp_path_factory, request) -> str:
+    """A random head ending in the target's LM head, or in its own over a draft vocabulary of 4096 random tokens."""
     config = llm.llm_engine.model_config
     torch.manual_seed(0)
     hf_config, layer = hf_layer(config.hidden_size, 256, config.num_attention_heads, config.num_key_value_heads,
@@ -176,6 +201,8 @@ def smol_head(llm, tmp_path_factory) -> str:
         for p in layer.parameters():
             p.mul_(0.1)
     tensors = random_head_tensors(layer, config.hidden_size, config.vocab_size, True, False)
+    if request.param == "draft vocabulary":
+        with_draft_vocabulary(tensors, sorted(torch.randperm(config.vocab_size)[:4096].tolist()), hf_config)
     folder = tmp_path_factory.mktemp("smol_eagle") / "head"
     write_layout(folder, "vllm", tensors, hf_config)
     return str(folder)
@@ -236,13 +263,32 @@ def trained_head(cycle_model, tmp_path_factory) -> tuple[str, float, Path]:
     return str(output), accuracy, sequences
 
 
-def test_trained_head_learns_the_continuations(trained_head):
-    """Held out, the head's top-1 is the next-but-one token at 90% of the continuation positions or more."""
-    folder, accuracy, _ = trained_head
+def test_trained_head_learns_the_continuations(trained_head, cycle_model):
+    """Held out, the head's top-1 is the target's own (the next-but-one token) at 90% of the continuation positions
+    or more; it drafts over the 32768 most frequent tokens of its training sequences (the default)."""
+    folder, accuracy, sequences = trained_head
     assert accuracy >= 0.9, accuracy
     config = json.loads((Path(folder) / "config.json").read_text())
-    assert config["architectures"] == ["EagleLlamaForCausalLM"]
-    assert not read_eagle_folder(folder).own_lm_head  # it ends in the target's own LM head
+    assert config["architectures"] == ["EagleLlamaForCausalLM"] and config["draft_vocab_size"] == 32768
+    head = read_eagle_folder(folder)
+    seen = {t for s in read_sequences(sequences, 1 << 20) for t in s.token_ids}
+    assert head.own_lm_head and len(seen) < 32768 and seen <= set(head.draft_to_target.tolist())
+    assert set(cycle_model[1]) <= seen
+
+
+def test_a_head_over_the_whole_vocabulary_and_one_learning_from_texts(cycle_model, trained_head, tmp_path):
+    """--draft-vocab-size 0: the head ends in the target's LM head. --texts: plain texts (here walks along the
+    cycle, written out), no generation: the head learns the target's predictions at every position of them."""
+    folder, cycle = cycle_model
+    whole = train_head(folder, tmp_path / "whole", "--sequences", str(trained_head[2]), "--draft-vocab-size", "0")
+    assert whole >= 0.9, whole
+    assert not read_eagle_folder(tmp_path / "whole").own_lm_head
+    tokenizer = LLM(folder, kv_cache_memory=16 << 20, **FLOAT32).get_tokenizer()
+    walks = [tokenizer.decode([cycle[(start + i) % len(cycle)] for i in range(40)]) for start in range(len(cycle))]
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": walk}) + "\n" for walk in walks))
+    from_texts = train_head(folder, tmp_path / "texts", "--texts", str(texts), "--text-tokens", "24", "--epochs", "24")
+    assert from_texts >= 0.8, from_texts
 
 
 def test_training_again_on_the_saved_sequences_gives_the_same_head(cycle_model, trained_head, tmp_path):
@@ -255,6 +301,37 @@ def test_training_again_on_the_saved_sequences_gives_the_same_head(cycle_model, 
     again, first = read_eagle_folder(tmp_path / "again"), read_eagle_folder(folder)
     assert again.tensors.keys() == first.tensors.keys()
     assert all(torch.equal(again.tensors[name], first.tensors[name]) for name in first.tensors)
+
+
+def test_a_head_initialised_from_the_target_is_its_last_decoder_layer(tmp_path):
+    """On inputs of unit RMS (where the layer's input norm only scales by its weight, which the head folds into its
+    q/k/v projection), with the fc passing the feature through: HF's last decoder layer of the target."""
+    from tiny_models import write_hf_model
+    hf = write_hf_model(tmp_path, "llama")
+    runner = LLM(str(tmp_path), kv_cache_memory=4 << 20, **FLOAT32).llm_engine.executor.model_runner
+    head = eagle_training.new_head(head_layer_config(runner.config), None, None, 0)
+    eagle_training.init_from_target(head, runner)
+    x = torch.randn(1, 9, 64)
+    x = x / x.square().mean(-1, keepdim=True).sqrt()
+    positions = torch.arange(9)[None]
+    mask = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        expected = hf.model.layers[-1](x, attention_mask=mask, position_ids=positions,
+                                       position_embeddings=hf.model.rotary_emb(x, positions))
+        out = head.forward_dense(torch.randn(1, 9, 64), x)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_features_recorded_in_batched_prefills_are_those_of_each_sequence_alone(llm, monkeypatch):
+    runner = llm.llm_engine.executor.model_runner
+    sequences = [TrainingSequence(list(range(10 + 7 * i, 10 + 7 * i + n)), 1) for i, n in enumerate([40, 5, 33, 70])]
+    batched = record_hidden_states(runner, sequences)
+    monkeypatch.setattr(head_training, "PREFILL_BATCH_TOKENS", 1)  # each sequence alone
+    alone = record_hidden_states(runner, sequences)
+    assert [len(h) for h in batched] == [40, 5, 33, 70]
+    for b, a in zip(batched, alone):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_saved_sequences_with_token_ids_outside_the_vocabulary_are_refused(tmp_path):

@@ -21,7 +21,7 @@ with gc_paused(freeze=True):  # importing torch and inferno builds objects as lo
     from inferno.engine.llm_engine import LLMEngine
     from inferno.entrypoints.env import run_env
     from inferno.entrypoints.llm import LLM
-    from inferno.entrypoints.train_draft_heads import read_prompts, read_sequences, train_draft_heads
+    from inferno.entrypoints.train_draft_heads import read_prompts, read_sequences, read_texts, train_draft_heads
     from inferno.sampling_params import RequestOutputKind, SamplingParams
     from inferno.server.cli_args import add_server_args, server_config
     from inferno.speculative_config import SpeculativeConfig
@@ -234,15 +234,18 @@ def run_calibrate(args: argparse.Namespace) -> None:
 
 def run_train_draft_heads(args: argparse.Namespace) -> None:
     config = HeadTrainingConfig(args.method, args.num_heads, args.num_layers, args.epochs, args.learning_rate,
-                                args.batch_size, args.held_out_fraction, args.seed)
+                                args.batch_size, args.held_out_fraction, args.draft_vocab_size or None, args.seed)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    if (args.prompts is None) == (args.sequences is None):
-        raise SystemExit("train-draft-heads: give --prompts (to generate continuations) or --sequences (saved ones)")
+    if (args.prompts is not None and args.sequences is not None) or not (args.prompts or args.sequences or args.texts):
+        raise SystemExit("train-draft-heads: give --prompts (to generate continuations) or --sequences (saved ones), "
+                         "and/or --texts")
     prompts = None if args.prompts is None else read_prompts(args.prompts)
     llm = LLM(args.model, enforce_eager=True, num_threads=args.num_threads, kv_cache_memory=args.kv_cache_memory)
     try:
-        sequences = None if args.sequences is None else read_sequences(args.sequences,
-                                                                       llm.llm_engine.model_config.vocab_size)
+        sequences = [] if args.sequences is None else read_sequences(args.sequences,
+                                                                     llm.llm_engine.model_config.vocab_size)
+        for path in args.texts or []:
+            sequences += read_texts(path, llm.get_tokenizer(), args.text_tokens)
         accuracy = train_draft_heads(llm, prompts, args.output, config, params, sequences, args.save_sequences)
     finally:
         llm.llm_engine.shutdown()
@@ -258,6 +261,10 @@ def add_train_draft_heads(commands) -> None:
     train.add_argument("--prompts", help='JSON lines: {"prompt": "..."} or {"messages": [...]}')
     train.add_argument("--sequences", help="train on these saved sequences instead of generating from --prompts "
                                            "(written by --save-sequences, by this model or one sharing its tokenizer)")
+    train.add_argument("--texts", action="append", help='JSON lines {"text": "..."}: your own corpus (code, chat), '
+                       "cut into sequences of --text-tokens; the heads learn the target's predictions over them (no "
+                       "generation; with --prompts or --sequences, added to them); repeatable")
+    train.add_argument("--text-tokens", type=int, default=512, help="tokens per sequence cut from --texts")
     train.add_argument("--save-sequences", help="write the training sequences (prompt and continuation token ids) "
                                                 "here as JSON lines, to train again without generating")
     train.add_argument("--output", "-o", required=True, help="the heads' folder to write")
@@ -270,10 +277,14 @@ def add_train_draft_heads(commands) -> None:
     train.add_argument("--temperature", type=float, default=0.0,
                        help="of the generated continuations (0: greedy, what greedy serving will see)")
     train.add_argument("--epochs", type=int, default=defaults.epochs)
-    train.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    train.add_argument("--learning-rate", type=float, default=None,
+                       help="default: 1e-3 for Medusa, 2e-4 for EAGLE (whose layer starts as the target's last)")
     train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="positions per optimizer step")
     train.add_argument("--held-out-fraction", type=float, default=defaults.held_out_fraction,
                        help="of the prompts, never trained on: where the accuracy shown is measured")
+    train.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size,
+                       help="EAGLE: the head's own LM head covers the most frequent tokens of the training data "
+                            "(EAGLE-3's draft vocabulary, written as d2t: a cheaper draft); 0: the target's whole one")
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache for the generation")
     train.add_argument("--num-threads", type=int, default=None)

@@ -35,6 +35,22 @@ def read_prompts(path: str | Path) -> list[dict]:
     return prompts
 
 
+def read_texts(path: str | Path, tokenizer, chunk_tokens: int) -> list[TrainingSequence]:
+    """JSON lines, each {"text": "..."} (a user's own corpus: code, chat logs), tokenized and cut into sequences of
+    `chunk_tokens` tokens (a last piece under 16 tokens dropped); no continuation is generated: an EAGLE head learns
+    the target's own distributions at every position of them."""
+    sequences = []
+    for number, entry in json_lines(path):
+        if not isinstance(entry, dict) or not isinstance(entry.get("text"), str):
+            raise ValueError(f"{path}:{number}: expected {{\"text\": \"...\"}}")
+        ids = tokenizer.encode(entry["text"])
+        sequences += [TrainingSequence(ids[start:start + chunk_tokens], 1) for start in range(0, len(ids), chunk_tokens)
+                      if len(ids) - start >= min(16, len(ids))]
+    if not sequences:
+        raise ValueError(f"{path} has no texts")
+    return sequences
+
+
 def generate_sequences(llm, prompts: list[dict], params: SamplingParams) -> list[TrainingSequence]:
     """Each prompt with the target's continuation of it."""
     render = llm.llm_engine.input_processor.render_chat
@@ -72,10 +88,9 @@ def train_draft_heads(llm, prompts: list[dict] | None, output: str | Path, confi
                       params: SamplingParams, sequences: list[TrainingSequence] | None = None,
                       save_sequences: str | Path | None = None) -> list[float]:
     """Writes the heads' folder to `output`; returns each head's top-1 accuracy on the held-out sequences. The
-    training sequences are the target's continuations of `prompts`, or `sequences` as given (then `prompts` is
-    None); `save_sequences` keeps them as JSON lines for another run."""
-    if sequences is None:
-        sequences = generate_sequences(llm, prompts, params)
+    training sequences are the target's continuations of `prompts` (if any) and `sequences` as given (texts, saved
+    sequences); `save_sequences` keeps them all as JSON lines for another run."""
+    sequences = (generate_sequences(llm, prompts, params) if prompts else []) + list(sequences or [])
     if save_sequences is not None:
         write_sequences(save_sequences, sequences)
     # recording the hidden states writes the KV cache from block 0 on: no cached prefix may stay there

@@ -5,7 +5,9 @@ load, which is the reference EAGLE repository's: a config.json of the head's one
 [hidden, 2 * hidden], `fc.bias` when the fc has one, `layers.0.self_attn.{q,k,v,o}_proj.*`,
 `layers.0.post_attention_layernorm.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`, and optionally
 `embed_tokens.weight` (unused: the target's embedding is shared, as vLLM and SGLang do on one process) and
-`lm_head.weight` (the head's own LM head; without it the target's)."""
+`lm_head.weight` (the head's own LM head; without it the target's). The own LM head may cover a draft vocabulary
+(EAGLE-3's, in vLLM's and SGLang's layout): `draft_vocab_size` rows in config.json, and `d2t` [draft_vocab_size],
+draft id i being target id i + d2t[i] (`t2d`, the target-side mask, is not needed)."""
 import dataclasses
 import json
 import re
@@ -39,6 +41,12 @@ class EagleFolder:
     def own_lm_head(self) -> bool:
         return "lm_head.weight" in self.tensors
 
+    @property
+    def draft_to_target(self) -> torch.Tensor | None:
+        """The target ids of a draft vocabulary's tokens (from `d2t`), or None."""
+        d2t = self.tensors.get("d2t")
+        return None if d2t is None else torch.arange(len(d2t)) + d2t.long()
+
 
 def read_eagle_folder(folder: str | Path) -> EagleFolder:
     folder = Path(folder)
@@ -60,7 +68,8 @@ def read_eagle_folder(folder: str | Path) -> EagleFolder:
     if layers != [0]:
         raise ValueError(f"{folder}: an EAGLE head here has one decoder layer (layers.0), its weights have layers "
                          f"{layers}")
-    unknown = sorted(n for n in tensors if not re.match(r"(fc\.(weight|bias)|lm_head\.weight|layers\.0\.)", n))
+    tensors.pop("t2d", None)
+    unknown = sorted(n for n in tensors if not re.match(r"(fc\.(weight|bias)|lm_head\.weight|d2t$|layers\.0\.)", n))
     if unknown:
         raise ValueError(f"{folder}: EAGLE head tensors {unknown[:5]} have no place in the head")
     tensors.pop("layers.0.input_layernorm.weight", None)  # the head's layer has no input norm
@@ -77,10 +86,10 @@ def eagle_head_config(folder: EagleFolder, target: ModelConfig) -> ModelConfig:
         raise ValueError(f"the EAGLE head has hidden size {hidden} (fc {fc_shape}) but the target's is "
                          f"{target.hidden_size}: the head was trained for another model")
     vocab = config.get("vocab_size", target.vocab_size)
-    lm_head = tensors.get("lm_head.weight")
-    if vocab != target.vocab_size or (lm_head is not None and lm_head.shape[0] != target.vocab_size):
+    if vocab != target.vocab_size:
         raise ValueError(f"the EAGLE head has a vocabulary of {vocab} tokens but the target has "
                          f"{target.vocab_size}: the head was trained for another model")
+    check_draft_vocabulary(folder, target.vocab_size)
     heads = config.get("num_attention_heads", target.num_attention_heads)
     return dataclasses.replace(
         head_layer_config(target),
@@ -95,15 +104,37 @@ def eagle_head_config(folder: EagleFolder, target: ModelConfig) -> ModelConfig:
         qk_norm="head" if "layers.0.self_attn.q_norm.weight" in tensors else None)
 
 
+def check_draft_vocabulary(folder: EagleFolder, vocab_size: int) -> None:
+    """The own LM head has a row per token of the draft vocabulary (the target's whole vocabulary without `d2t`),
+    and `d2t` maps them to distinct target tokens."""
+    lm_head, draft_to_target = folder.tensors.get("lm_head.weight"), folder.draft_to_target
+    if draft_to_target is None:
+        if lm_head is not None and lm_head.shape[0] != vocab_size:
+            raise ValueError(f"the EAGLE head's LM head has {lm_head.shape[0]} rows but the target's vocabulary "
+                             f"{vocab_size} tokens (a draft vocabulary needs its d2t)")
+        return
+    size = folder.config.get("draft_vocab_size", len(draft_to_target))
+    if lm_head is None or lm_head.shape[0] != size or len(draft_to_target) != size:
+        raise ValueError(f"the EAGLE head's draft vocabulary of {size} tokens needs an LM head and a d2t of as many "
+                         f"rows, got {None if lm_head is None else lm_head.shape[0]} and {len(draft_to_target)}")
+    if (draft_to_target.min() < 0 or draft_to_target.max() >= vocab_size
+            or len(draft_to_target.unique()) != size):
+        raise ValueError(f"the EAGLE head's d2t maps its draft vocabulary outside the target's {vocab_size} tokens "
+                         f"or onto one token twice")
+
+
 def head_layer_config(target: ModelConfig) -> ModelConfig:
     """One layer of the target's architecture, every layer's kind (no sliding window, a dense MLP)."""
     return dataclasses.replace(target, num_hidden_layers=1, sliding_window=None, sliding_layers=None, moe=None,
                                tie_word_embeddings=False)
 
 
-def eagle_config_json(config: ModelConfig, fc_bias: bool, base_model: str | None) -> dict:
-    """config.json of a head whose layer has `config`'s shape, as vLLM reads it."""
-    return {"architectures": [VLLM_ARCHITECTURE], "model_type": "llama", "hidden_size": config.hidden_size,
+def eagle_config_json(config: ModelConfig, fc_bias: bool, base_model: str | None,
+                      draft_vocab_size: int | None = None) -> dict:
+    """config.json of a head whose layer has `config`'s shape, as vLLM reads it (with its draft vocabulary's
+    size, if it has one)."""
+    draft = {} if draft_vocab_size is None else {"draft_vocab_size": draft_vocab_size}
+    return {**draft, "architectures": [VLLM_ARCHITECTURE], "model_type": "llama", "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size, "num_hidden_layers": 1,
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
             "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,

@@ -3,7 +3,9 @@
 norm) at position p. The layer has no input norm (the fc output goes straight into attention, as in the reference
 and vLLM's / SGLang's llama_eagle); its output, without a final norm, is the head's own feature for position p:
 the target's LM head maps it to the token at p + 2, and it stands in for the target's feature at p + 1 when the head
-runs on to its next draft. The embedding is always the target's; the LM head too unless the folder has its own."""
+runs on to its next draft. The embedding is always the target's; the LM head too unless the folder has its own,
+which may cover a draft vocabulary (EAGLE-3's, vLLM's and SGLang's `draft_vocab_size`): a subset of the target's
+tokens, `draft_to_target` their target ids."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,14 +19,15 @@ from inferno.model.llama import DecoderLayer
 class EagleHead(nn.Module):
     """`config`: the head's layer's shape (the target's architecture, one layer, no sliding window or experts)."""
 
-    def __init__(self, config: ModelConfig, fc_bias: bool, own_lm_head: bool):
+    def __init__(self, config: ModelConfig, fc_bias: bool, own_lm_head: bool, draft_vocab_size: int | None = None):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.layers = nn.ModuleList([DecoderLayer(config, 0, SINGLE)])
         self.layers[0].input_layernorm = nn.Identity()
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False) if own_lm_head else None
+        self.lm_head = nn.Linear(hidden, draft_vocab_size or config.vocab_size, bias=False) if own_lm_head else None
+        self.register_buffer("draft_to_target", None, persistent=False)  # [draft vocabulary] target ids, or None
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
 
@@ -43,9 +46,20 @@ class EagleHead(nn.Module):
         out, residual = self.layers[0](x, None, self.rotary.rotations(positions), meta)
         return out + residual
 
+    def set_draft_vocabulary(self, target_ids: torch.Tensor) -> None:
+        """The target ids of the LM head's rows (ascending)."""
+        if self.lm_head is None or target_ids.shape != (self.lm_head.out_features,):
+            raise ValueError(f"a draft vocabulary of {len(target_ids)} tokens needs an own LM head of as many rows")
+        self.draft_to_target = target_ids.long().to(self.fc.weight.device)
+
     def logits(self, features: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
-        """Float32 logits of the token two positions after each feature's."""
-        return (self.lm_head or target_lm_head)(features).float()
+        """Float32 logits over the target's vocabulary of the token two positions after each feature's (-inf
+        outside a draft vocabulary)."""
+        logits = (self.lm_head or target_lm_head)(features).float()
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.draft_to_target, logits)
 
     def forward_dense(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The same features for whole sequences [B, T, hidden] (positions 0..T-1, causal), without a KV cache and

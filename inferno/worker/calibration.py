@@ -9,13 +9,19 @@ from inferno.worker.input_batch import MicroBatch, StepInput
 from inferno.worker.model_runner import ModelRunner
 
 
-def prefill_step(token_ids: list[int], block_size: int) -> StepInput:
-    """One sequence from position 0 in KV blocks 0, 1, … (so slot = position), no logits. Calibration runs while
-    no request holds blocks."""
-    n = len(token_ids)
-    mb = MicroBatch(list(token_ids), list(range(n)), list(range(n)), decodes=[],
-                    prefills=[(n, 0, list(range(cdiv(n, block_size))))], logit_rows=[])
-    return StepInput([mb], [])
+def prefill_step(sequences: list[list[int]], block_size: int) -> StepInput:
+    """Sequences from position 0 as one batch of prefills, each in its own KV blocks (the first in 0, 1, …, so
+    slot = position; the next in the blocks after), no logits; their rows one after the other. Calibration and
+    head training run while no request holds blocks."""
+    input_ids, positions, slots, prefills, first_block = [], [], [], [], 0
+    for token_ids in sequences:
+        n, blocks = len(token_ids), cdiv(len(token_ids), block_size)
+        input_ids += token_ids
+        positions += range(n)
+        slots += range(first_block * block_size, first_block * block_size + n)
+        prefills.append((n, 0, list(range(first_block, first_block + blocks))))
+        first_block += blocks
+    return StepInput([MicroBatch(input_ids, positions, slots, decodes=[], prefills=prefills, logit_rows=[])], [])
 
 
 @torch.inference_mode()
@@ -32,7 +38,7 @@ def calibrate_activations(runner: ModelRunner, sequences: list[list[int]], smoot
     if cdiv(longest, block_size) > num_blocks:
         raise ValueError(f"a calibration sequence of {longest} tokens does not fit the KV cache's {num_blocks} "
                          f"blocks of {block_size}")
-    steps = [prefill_step(ids, block_size) for ids in sequences]
+    steps = [prefill_step([ids], block_size) for ids in sequences]
     recorder = ActivationRecorder(linears)
     try:
         for step in steps:

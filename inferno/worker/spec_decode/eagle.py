@@ -43,8 +43,12 @@ from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
 
 def build_eagle_head(folder: EagleFolder, target: ModelConfig) -> EagleHead:
     """The head of `folder` as a float32 module, checked against the target."""
-    head = EagleHead(eagle_head_config(folder, target), folder.fc_bias, folder.own_lm_head)
-    load_weights(head, folder.tensors.items())
+    draft_to_target = folder.draft_to_target
+    head = EagleHead(eagle_head_config(folder, target), folder.fc_bias, folder.own_lm_head,
+                     None if draft_to_target is None else len(draft_to_target))
+    load_weights(head, ((name, t) for name, t in folder.tensors.items() if name != "d2t"))
+    if draft_to_target is not None:
+        head.set_draft_vocabulary(draft_to_target)
     return head.eval().requires_grad_(False)
 
 

@@ -1,13 +1,20 @@
-"""An EAGLE head distilled from the target (the EAGLE paper's recipe): teacher forcing on the target's own features
-over sequences it generated. At each position p the head reads the embedding of the token at p + 1 and the target's
-feature (final hidden state after the final norm) at p; its output is trained to be the target's feature at p + 1
-(smooth L1) and, through the target's frozen LM head, to predict the target's distribution of the token at p + 2
-(soft labels: its softmax at p + 1; cross entropy, weighted 0.1 as in the paper). The target is frozen; the head is
-trained with AdamW (warm-up, then cosine decay), in float32 on the CPU, on the continuations' positions (the prompt
-is the head's context only), on inputs and targets divided by their RMS, the scales folded into its weights at the
-end."""
+"""An EAGLE head distilled from the target (the EAGLE paper's recipe, with EAGLE-3's reduced draft vocabulary):
+teacher forcing on the target's own features over whole sequences (prompts, the target's continuations, plain text:
+a prefill of each gives the features and labels at every position, no generation needed). At each position p the
+head reads the embedding of the token at p + 1 and the target's feature (final hidden state after the final norm)
+at p; its output is trained to be the target's feature at p + 1 (smooth L1) and, through the head's LM head, to
+predict the target's distribution of the token at p + 2 (soft labels: the target's softmax at p + 1 over the draft
+vocabulary, renormalised on it; cross entropy, weighted 0.1 as in the paper).
+
+The draft vocabulary is the `draft_vocab_size` most frequent tokens of the training sequences (EAGLE-3): the head's
+own LM head is those rows of the target's, frozen, and its drafts map back through `d2t` (most of a draft's cost on
+a CPU is the LM head: a Qwen2.5 vocabulary is 151,936 rows). Its decoder layer starts as a copy of the target's
+last one (`INIT_FROM_TARGET`; the fc passes the feature through), or at random. The target is frozen; the head is
+trained with AdamW (warm-up, then cosine decay), in float32 on the CPU, on inputs and targets divided by their RMS,
+the scales folded into its weights at the end."""
 import math
 import random
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -18,28 +25,32 @@ from inferno.layers.rotary import interleave_rotary_rows
 from inferno.loader.eagle_folder import EagleFolder, eagle_config_json, head_layer_config
 from inferno.model.eagle import EagleHead
 from inferno.worker.model_runner import ModelRunner
-from inferno.worker.spec_decode.head_training import dense_lm_head, record_hidden_states, usable_sequences
+from inferno.worker.spec_decode.head_training import dense_lm_head, dense_weight, record_hidden_states, \
+    usable_sequences
 
 # the recipe: the loss and its inputs
 REGRESSION_WEIGHT = 1.0  # the paper's w_reg
 CLASSIFICATION_WEIGHT = 0.1  # the paper's w_cls
 NORMALISED = True  # train on embeddings and features divided by their RMS (`normalised`), then fold the scales in
-SOFT_LABELS = True  # cross entropy against the target's own distribution at p + 1 (else its token at p + 2)
-BF16_LM_HEAD = True  # the frozen LM head's matmuls in bfloat16 (most of the cost; the head itself stays float32)
+BF16_LM_HEAD = True  # the frozen LM heads' matmuls in bfloat16 (most of the cost; the head itself stays float32)
 WARMUP_FRACTION = 0.05  # of the steps: the learning rate rises linearly, then follows a cosine down to 0
+INIT_FROM_TARGET = True  # the head's layer starts as the target's last decoder layer (else at random)
+
+PADDING, PROMPT, CONTINUATION = 0, 1, 2  # the kinds of positions: every one but padding is trained on; the held-out
+# accuracy is measured on the continuations' (what a head drafts; a text is all continuation)
 
 
 def sequence_example(runner: ModelRunner, features: torch.Tensor, sequence: TrainingSequence
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For positions p = 0..n-2: the embeddings of the tokens at p + 1, the features at p, the labels (the token at
-    p + 2; -100 past the end and before the continuation) and the target features at p + 1."""
+    """For every position p = 0..n-2: the embeddings of the tokens at p + 1, the features at p, the kinds of the
+    positions (PROMPT, CONTINUATION: from the prompt's last token but one on; PADDING in a batch) and the target
+    features at p + 1 (its distribution of the token at p + 2 is the label)."""
     ids = torch.tensor(sequence.token_ids)
     with torch.inference_mode():
         embeds = runner.model.embed_tokens(ids[1:].to(runner.device)).float().cpu()
-    labels = torch.full((len(ids) - 1,), -100)
-    first = max(sequence.num_prompt_tokens - 2, 0)
-    labels[first:-1] = ids[first + 2:]
-    return embeds.clone(), features[:-1].clone(), labels, features[1:].clone()
+    kinds = torch.full((len(ids) - 1,), PROMPT, dtype=torch.int8)
+    kinds[max(sequence.num_prompt_tokens - 2, 0):] = CONTINUATION
+    return embeds.clone(), features[:-1].clone(), kinds, features[1:].clone()
 
 
 def eagle_examples(runner: ModelRunner, sequences: list[TrainingSequence], config: HeadTrainingConfig
@@ -55,25 +66,91 @@ def eagle_examples(runner: ModelRunner, sequences: list[TrainingSequence], confi
     return train, test
 
 
+def draft_vocabulary(sequences: list[TrainingSequence], vocab_size: int, size: int | None) -> torch.Tensor | None:
+    """The target ids of the draft vocabulary, ascending: the `size` most frequent tokens of `sequences` (then the
+    lowest ids never seen, where fewer were); None for the whole vocabulary."""
+    if not size or size >= vocab_size:
+        return None
+    counts = Counter(t for s in sequences for t in s.token_ids)
+    kept = {t for t, _ in counts.most_common(size)}
+    kept |= set([t for t in range(vocab_size) if t not in kept][:size - len(kept)])
+    return torch.tensor(sorted(kept))
+
+
 def train_eagle_head(runner: ModelRunner, sequences: list[TrainingSequence], config: HeadTrainingConfig,
                      base_model: str | None = None) -> tuple[EagleFolder, list[float]]:
-    """The trained head (using the target's embedding and LM head), and its top-1 accuracy on held-out positions."""
+    """The trained head (the target's embedding; its LM head, or the draft vocabulary's rows of it), and its top-1
+    agreement with the target's greedy token on held-out positions."""
     train, test = eagle_examples(runner, sequences, config)
     layer_config = head_layer_config(runner.config)
-    head, lm_head = new_head(layer_config, dense_lm_head(runner).cpu(), config.seed)
-    fit(head, lm_head, train, test, config)
+    lm_head = frozen_linear(dense_lm_head(runner).cpu())
+    vocabulary = draft_vocabulary(sequences, runner.config.vocab_size, config.draft_vocab_size)
+    head = new_head(layer_config, vocabulary, lm_head.weight, config.seed)
+    if INIT_FROM_TARGET:
+        init_from_target(head, runner)
+    fit(head, lm_head, train, test, config, INIT_FROM_TARGET)
     accuracy = held_out_accuracy(head, lm_head, test)
-    return EagleFolder(eagle_config_json(layer_config, True, base_model), hf_tensors(head)), [accuracy]
+    folder_config = eagle_config_json(layer_config, True, base_model, None if vocabulary is None else len(vocabulary))
+    return EagleFolder(folder_config, hf_tensors(head)), [accuracy]
 
 
-def new_head(layer_config, lm_head_weight: torch.Tensor, seed: int) -> tuple[EagleHead, torch.nn.Module]:
-    """A fresh float32 head, and the target's frozen LM head."""
+def frozen_linear(weight: torch.Tensor) -> torch.nn.Linear:
+    """A frozen LM head of `weight` [rows, hidden] (bfloat16 where BF16_LM_HEAD)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = torch.nn.Parameter(weight.bfloat16() if BF16_LM_HEAD else weight.float(), requires_grad=False)
+    return linear
+
+
+def new_head(layer_config, vocabulary: torch.Tensor | None, lm_head_weight: torch.Tensor, seed: int) -> EagleHead:
+    """A fresh float32 head: the target's LM head, or (a draft vocabulary) its own of those rows of the target's,
+    frozen."""
     torch.manual_seed(seed)
-    head = EagleHead(layer_config, fc_bias=True, own_lm_head=False).float()
-    lm_head = torch.nn.Linear(layer_config.hidden_size, layer_config.vocab_size, bias=False)
-    weight = lm_head_weight.bfloat16() if BF16_LM_HEAD else lm_head_weight
-    lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return head, lm_head
+    head = EagleHead(layer_config, fc_bias=True, own_lm_head=vocabulary is not None,
+                     draft_vocab_size=None if vocabulary is None else len(vocabulary)).float()
+    if vocabulary is not None:
+        head.set_draft_vocabulary(vocabulary)
+        head.lm_head.weight = torch.nn.Parameter(lm_head_weight[vocabulary].float(), requires_grad=False)
+    return head
+
+
+@torch.no_grad()
+def init_from_target(head: EagleHead, runner: ModelRunner) -> None:
+    """The head's layer as the target's last decoder layer (its input norm's weight folded into the q/k/v
+    projection: the head's layer has none), the fc passing the feature half of its input through."""
+    target = runner.model.layers[runner.config.num_hidden_layers - 1]
+    layer, hidden = head.layers[0], head.config.hidden_size
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        mine = layer.get_submodule(name)
+        weight, bias = dense_weight(runner, target.get_submodule(name), mine.in_features)
+        mine.weight.copy_(weight)
+        if mine.bias is not None:
+            mine.bias.copy_(bias)
+    layer.self_attn.qkv_proj.weight.mul_(target.input_layernorm.weight.float().cpu())
+    layer.post_attention_layernorm.weight.copy_(target.post_attention_layernorm.weight.float().cpu())
+    for norm in ("q_norm", "k_norm"):
+        if getattr(layer.self_attn, norm, None) is not None:
+            getattr(layer.self_attn, norm).weight.copy_(getattr(target.self_attn, norm).weight.float().cpu())
+    head.fc.weight.zero_()
+    head.fc.weight[:, hidden:] = torch.eye(hidden)
+    head.fc.bias.zero_()
+
+
+@torch.no_grad()
+def match_residual_scale(head: EagleHead, examples: list) -> None:
+    """Scales what a layer copied from the target adds to its input (the o and down projections) to fit the
+    examples: the target's last layer adds to a residual stream far larger than the normalised features the head
+    reads (its input norm hid that), so copied as is its additions swamp them. The scale is the least-squares one
+    taking the head's input (the feature at p) towards the target's feature at p + 1."""
+    added = target = 0.0
+    for embeds, features, kinds, next_features in batches(examples, 1):
+        kept = kinds != PADDING
+        x = head.fc(torch.cat([embeds, features], -1))[kept]
+        delta = head.forward_dense(embeds, features)[kept] - x
+        added, target = added + float(delta.square().sum()), target + float((delta * (next_features[kept] - x)).sum())
+    scale = max(target / max(added, 1e-30), 0.0)
+    mlp, attn = head.layers[0].mlp, head.layers[0].self_attn
+    attn.o_proj.weight *= scale
+    mlp.down_proj.weight *= scale
 
 
 def batches(examples: list, size: int, generator: torch.Generator | None = None):
@@ -82,8 +159,7 @@ def batches(examples: list, size: int, generator: torch.Generator | None = None)
     order = list(order)
     for start in range(0, len(order), size):
         group = [examples[i] for i in order[start:start + size]]
-        yield tuple(torch.nn.utils.rnn.pad_sequence([g[j] for g in group], batch_first=True,
-                                                    padding_value=-100 if j == 2 else 0.0) for j in range(4))
+        yield tuple(torch.nn.utils.rnn.pad_sequence([g[j] for g in group], batch_first=True) for j in range(4))
 
 
 def rms(tensors: list[torch.Tensor]) -> float:
@@ -93,7 +169,7 @@ def rms(tensors: list[torch.Tensor]) -> float:
 def normalised(examples: list, embed_scale: float, feature_scale: float) -> list:
     """The examples with embeddings and features divided by their RMS: the head trains on unit-scale inputs (raw,
     Qwen's post-norm features are ~400 times the embeddings, which the head then cannot see)."""
-    return [(e / embed_scale, f / feature_scale, labels, n / feature_scale) for e, f, labels, n in examples]
+    return [(e / embed_scale, f / feature_scale, kept, n / feature_scale) for e, f, kept, n in examples]
 
 
 @torch.no_grad()
@@ -116,17 +192,16 @@ def logits_of(lm_head: torch.nn.Module, features: torch.Tensor) -> torch.Tensor:
     return lm_head(features.to(lm_head.weight.dtype)).float()
 
 
-def loss_of(head: EagleHead, lm_head: torch.nn.Module, batch) -> torch.Tensor:
-    embeds, features, labels, next_features = batch
-    kept = labels != -100
+def loss_of(head: EagleHead, draft_lm_head: torch.nn.Module, batch) -> torch.Tensor:
+    """Smooth L1 to the target's feature at p + 1, and cross entropy against its softmax there (over the draft
+    vocabulary: renormalised on it)."""
+    embeds, features, kinds, next_features = batch
+    kept = kinds != PADDING
     out, target = head.forward_dense(embeds, features)[kept], next_features[kept]
-    regression = F.smooth_l1_loss(out, target)
-    if SOFT_LABELS:
-        with torch.no_grad():
-            labels = logits_of(lm_head, target).softmax(-1)
-    else:
-        labels = labels[kept]
-    return REGRESSION_WEIGHT * regression + CLASSIFICATION_WEIGHT * F.cross_entropy(logits_of(lm_head, out), labels)
+    with torch.no_grad():
+        labels = logits_of(draft_lm_head, target).softmax(-1)
+    return (REGRESSION_WEIGHT * F.smooth_l1_loss(out, target)
+            + CLASSIFICATION_WEIGHT * F.cross_entropy(logits_of(draft_lm_head, out), labels))
 
 
 def warmup_cosine(total_steps: int):
@@ -136,19 +211,24 @@ def warmup_cosine(total_steps: int):
         0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
 
-def fit(head: EagleHead, lm_head: torch.nn.Module, train: list, test: list, config: HeadTrainingConfig) -> None:
+def fit(head: EagleHead, lm_head: torch.nn.Module, train: list, test: list, config: HeadTrainingConfig,
+        from_target: bool = False) -> None:
     """Trains `head` on normalised examples (NORMALISED: the features and embeddings divided by their RMS), then
-    folds the scales into its weights: it reads and writes the target's raw features."""
+    folds the scales into its weights: it reads and writes the target's raw features. `lm_head`: the target's;
+    `from_target`: the head was initialised from the target (`init_from_target`)."""
     embed_scale, feature_scale = (rms([e[0] for e in train]), rms([e[1] for e in train])) if NORMALISED else (1, 1)
     train, test = normalised(train, embed_scale, feature_scale), normalised(test, embed_scale, feature_scale)
-    scaled_lm_head = torch.nn.Linear(lm_head.in_features, lm_head.out_features, bias=False)  # reads normalised ones
-    scaled_lm_head.weight = torch.nn.Parameter(lm_head.weight * feature_scale, requires_grad=False)
-    train_on(head, scaled_lm_head, train, test, config)
+    if from_target:
+        match_residual_scale(head, train[:16])
+    scaled = [frozen_linear(m.weight.float() * feature_scale) for m in (head.lm_head or lm_head, lm_head)]
+    train_on(head, *scaled, train, test, config)
     fold_scales(head, embed_scale, feature_scale)
 
 
-def train_on(head: EagleHead, lm_head: torch.nn.Module, train: list, test: list, config: HeadTrainingConfig) -> None:
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate)
+def train_on(head: EagleHead, draft_lm_head: torch.nn.Module, lm_head: torch.nn.Module, train: list, test: list,
+             config: HeadTrainingConfig) -> None:
+    """`draft_lm_head`: the head's (over the draft vocabulary), `lm_head`: the target's (for the held-out top-1)."""
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.learning_rate)
     longest = max(len(e[2]) for e in train)
     per_step = max(1, config.batch_size // longest)  # batch_size counts positions
     steps_per_epoch = -(-len(train) // per_step)
@@ -157,31 +237,38 @@ def train_on(head: EagleHead, lm_head: torch.nn.Module, train: list, test: list,
     with tqdm(total=config.epochs * steps_per_epoch, desc="training an EAGLE head", dynamic_ncols=True) as bar:
         for _ in range(config.epochs):
             for batch in batches(train, per_step, generator):
-                loss = loss_of(head, lm_head, batch)
+                loss = loss_of(head, draft_lm_head, batch)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
                 schedule.step()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}")
-            bar.set_postfix(loss=f"{loss.item():.3f}", held_out_top1=f"{held_out_accuracy(head, lm_head, test):.2f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}",
+                            held_out_top1=f"{held_out_accuracy(head, lm_head, test, draft_lm_head):.2f}")
 
 
 @torch.no_grad()
-def held_out_accuracy(head: EagleHead, lm_head: torch.nn.Module, test: list) -> float:
-    """The fraction of held-out continuation positions where the head's top-1 is the target's next-but-one token
-    (teacher-forced: the first draft's accuracy)."""
+def held_out_accuracy(head: EagleHead, lm_head: torch.nn.Module, test: list,
+                      draft_lm_head: torch.nn.Module | None = None) -> float:
+    """The fraction of held-out continuation positions where the head's top-1 is the target's own top-1 there
+    (teacher-forced: the first draft's greedy acceptance). `lm_head`: the target's; `draft_lm_head`: the head's (default: its own,
+    else the target's)."""
+    draft_lm_head = draft_lm_head or head.lm_head or lm_head
     correct = total = 0
-    for embeds, features, labels, _ in batches(test, 8):
-        kept = labels != -100
-        top1 = logits_of(lm_head, head.forward_dense(embeds, features)[kept]).argmax(-1)
-        correct += int((top1 == labels[kept]).sum())
+    for embeds, features, kinds, next_features in batches(test, 8):
+        kept = kinds == CONTINUATION
+        top1 = logits_of(draft_lm_head, head.forward_dense(embeds, features)[kept]).argmax(-1)
+        if head.draft_to_target is not None:
+            top1 = head.draft_to_target[top1]
+        correct += int((top1 == logits_of(lm_head, next_features[kept]).argmax(-1)).sum())
         total += int(kept.sum())
     return correct / max(total, 1)
 
 
 def hf_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
-    """The head's weights under the HF names of the folder (q/k/v and gate/up apart, rotate-half row order)."""
+    """The head's weights under the HF names of the folder (q/k/v and gate/up apart, rotate-half row order; a draft
+    vocabulary as `d2t`)."""
     config = head.config
     tensors = {}
     for name, value in head.state_dict().items():
@@ -200,6 +287,8 @@ def hf_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
             tensors[name] = _rotate_half_rows(value, 1)
         else:
             tensors[name] = value
+    if head.draft_to_target is not None:  # vLLM's and SGLang's offsets: draft id i is target id i + d2t[i]
+        tensors["d2t"] = head.draft_to_target.cpu() - torch.arange(len(head.draft_to_target))
     return tensors
 
 

@@ -15,6 +15,7 @@ from inferno.worker.calibration import prefill_step
 from inferno.worker.model_runner import ModelRunner
 
 IGNORE = -100  # label of a head past the sequence's end
+PREFILL_BATCH_TOKENS = 2048  # tokens per recording pass (several sequences batched as one step's prefills)
 
 
 @torch.inference_mode()
@@ -32,17 +33,33 @@ def usable_sequences(runner: ModelRunner, sequences: list[TrainingSequence], wha
 
 @torch.no_grad()
 def record_hidden_states(runner: ModelRunner, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
-    """Per sequence, float32 hidden states [n, hidden] after the final norm; with no request holding blocks."""
+    """Per sequence, float32 hidden states [n, hidden] after the final norm, recorded in batched prefill passes;
+    with no request holding blocks."""
     longest = max(len(s.token_ids) for s in sequences)
     if cdiv(longest, runner.block_size) > runner.num_blocks:
         raise ValueError(f"a training sequence of {longest} tokens does not fit the KV cache's {runner.num_blocks} "
                          f"blocks of {runner.block_size}")
     hidden = []
-    for s in sequences:
+    for batch in prefill_batches([s.token_ids for s in sequences], runner.block_size, runner.num_blocks):
         with runner.tile_switch.step():
-            out = runner.forward(prefill_step(s.token_ids, runner.block_size).micro_batches[0])
-            hidden.append(runner.model.norm(out).float())
+            out = runner.model.norm(runner.forward(prefill_step(batch, runner.block_size).micro_batches[0]))
+        hidden += out.float().split([len(ids) for ids in batch])
     return hidden
+
+
+def prefill_batches(sequences: list[list[int]], block_size: int, num_blocks: int,
+                    max_tokens: int = PREFILL_BATCH_TOKENS) -> list[list[list[int]]]:
+    """The sequences in order, grouped into prefill batches of up to `max_tokens` tokens (a longer sequence alone)
+    whose blocks fit the KV cache."""
+    batches, tokens, blocks = [], 0, 0
+    for ids in sequences:
+        if batches and tokens + len(ids) <= max_tokens and blocks + cdiv(len(ids), block_size) <= num_blocks:
+            batches[-1].append(ids)
+        else:
+            batches.append([ids])
+            tokens = blocks = 0
+        tokens, blocks = tokens + len(ids), blocks + cdiv(len(ids), block_size)
+    return batches
 
 
 def head_examples(hidden: torch.Tensor, sequence: TrainingSequence, num_heads: int
@@ -57,13 +74,19 @@ def head_examples(hidden: torch.Tensor, sequence: TrainingSequence, num_heads: i
     return hidden[positions], labels
 
 
-def dense_lm_head(runner: ModelRunner) -> torch.Tensor:
-    """The target's LM head as a float32 matrix [vocab, hidden], whatever its weights' format (quantized ones
-    included): its outputs for the unit vectors."""
+def dense_weight(runner: ModelRunner, linear: torch.nn.Module, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer of the target as a float32 weight [out, in] and bias [out] (zeros where it has none), on the
+    CPU, whatever its weights' format (quantized ones included): its outputs for the unit vectors and for zero."""
     with torch.inference_mode(), runner.tile_switch.step():
-        eye = torch.eye(runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
-        weight = runner.model.lm_head(eye).float().t()
-    return weight.clone()  # a normal tensor: an inference-mode one cannot take part in autograd
+        inputs = torch.cat([torch.eye(in_features), torch.zeros(1, in_features)])
+        out = linear(inputs.to(runner.dtype).to(runner.device)).float().cpu()
+    bias = out[-1]
+    return (out[:-1] - bias).t().clone(), bias.clone()  # normal tensors: inference-mode ones cannot take part in autograd
+
+
+def dense_lm_head(runner: ModelRunner) -> torch.Tensor:
+    """The target's LM head as a float32 matrix [vocab, hidden]."""
+    return dense_weight(runner, runner.model.lm_head, runner.config.hidden_size)[0]
 
 
 def train_medusa_heads(runner: ModelRunner, sequences: list[TrainingSequence], config: HeadTrainingConfig,
