@@ -54,21 +54,20 @@ def sequence_example(runner: ModelRunner, features: torch.Tensor, sequence: Trai
 
 
 def eagle_examples(runner: ModelRunner, sequences: list[TrainingSequence], config: HeadTrainingConfig
-                   ) -> tuple[list, list]:
-    """The training and the held-out examples (`sequence_example`)."""
+                   ) -> tuple[list, list, list[TrainingSequence]]:
+    """The training and the held-out examples (`sequence_example`), and the training sequences."""
     usable = usable_sequences(runner, sequences, "an EAGLE head")
     features = [f.cpu() for f in record_hidden_states(runner, usable)]
     pairs = list(zip(features, usable))
     random.Random(config.seed).shuffle(pairs)
     num_held_out = max(1, round(config.held_out_fraction * len(pairs)))
     examples = [sequence_example(runner, f, s) for f, s in pairs]
-    train, test = examples[num_held_out:], examples[:num_held_out]
-    return train, test
+    return examples[num_held_out:], examples[:num_held_out], [s for _, s in pairs[num_held_out:]]
 
 
 def draft_vocabulary(sequences: list[TrainingSequence], vocab_size: int, size: int | None) -> torch.Tensor | None:
-    """The target ids of the draft vocabulary, ascending: the `size` most frequent tokens of `sequences` (then the
-    lowest ids never seen, where fewer were); None for the whole vocabulary."""
+    """The target ids of the draft vocabulary, ascending: the `size` most frequent tokens of the training sequences
+    (then the lowest ids never seen, where fewer were); None for the whole vocabulary."""
     if not size or size >= vocab_size:
         return None
     counts = Counter(t for s in sequences for t in s.token_ids)
@@ -81,10 +80,10 @@ def train_eagle_head(runner: ModelRunner, sequences: list[TrainingSequence], con
                      base_model: str | None = None) -> tuple[EagleFolder, list[float]]:
     """The trained head (the target's embedding; its LM head, or the draft vocabulary's rows of it), and its top-1
     agreement with the target's greedy token on held-out positions."""
-    train, test = eagle_examples(runner, sequences, config)
+    train, test, train_sequences = eagle_examples(runner, sequences, config)
     layer_config = head_layer_config(runner.config)
     lm_head = frozen_linear(dense_lm_head(runner).cpu())
-    vocabulary = draft_vocabulary(sequences, runner.config.vocab_size, config.draft_vocab_size)
+    vocabulary = draft_vocabulary(train_sequences, runner.config.vocab_size, config.draft_vocab_size)
     head = new_head(layer_config, vocabulary, lm_head.weight, config.seed)
     if INIT_FROM_TARGET:
         init_from_target(head, runner)
@@ -256,7 +255,7 @@ def held_out_accuracy(head: EagleHead, lm_head: torch.nn.Module, test: list,
     else the target's)."""
     draft_lm_head = draft_lm_head or head.lm_head or lm_head
     correct = total = 0
-    for embeds, features, kinds, next_features in batches(test, 8):
+    for embeds, features, kinds, next_features in batches(test, 1):
         kept = kinds == CONTINUATION
         top1 = logits_of(draft_lm_head, head.forward_dense(embeds, features)[kept]).argmax(-1)
         if head.draft_to_target is not None:
