@@ -324,6 +324,7 @@ def test_a_head_initialised_from_the_target_is_its_last_decoder_layer(tmp_path):
 
 
 def test_features_recorded_in_batched_prefills_are_those_of_each_sequence_alone(llm, monkeypatch):
+    llm.llm_engine.reset_prefix_cache()  # recording writes KV blocks from 0 on: no cached prefix may stay there
     runner = llm.llm_engine.executor.model_runner
     sequences = [TrainingSequence(list(range(10 + 7 * i, 10 + 7 * i + n)), 1) for i, n in enumerate([40, 5, 33, 70])]
     batched = record_hidden_states(runner, sequences)

@@ -8,7 +8,7 @@ class HeadTrainingConfig:
     num_heads: int = 3  # Medusa: head j predicts the token j + 2 positions ahead (EAGLE: one head)
     num_layers: int = 1  # Medusa: residual blocks per head (EAGLE: one decoder layer)
     epochs: int = 4
-    learning_rate: float | None = None  # None: 1e-3 for Medusa, 2e-4 for EAGLE (its layer starts as the target's)
+    learning_rate: float | None = None  # None: 1e-3 for Medusa, 2e-4 for EAGLE (docs/speculative-decoding.md)
     batch_size: int = 256  # positions per optimizer step
     held_out_fraction: float = 0.1  # of the sequences (at least one), never trained on: the accuracy reported
     draft_vocab_size: int | None = 32768  # EAGLE: the head's LM head covers the most frequent tokens (None: all)
