@@ -190,9 +190,9 @@ def test_bad_folders_are_refused_with_a_clear_error(tmp_path, target_config):
 
 # speculation on the default model with a random head (its drafts are accepted now and then)
 
-@pytest.fixture(scope="module", params=["target LM head", "draft vocabulary"])
-def smol_head(llm, tmp_path_factory, request) -> str:
-    """A random head ending in the target's LM head, or in its own over a draft vocabulary of 4096 random tokens."""
+def write_smol_head(llm, folder: Path, draft_vocabulary: bool) -> str:
+    """A random head for the default model ending in its LM head, or in its own over a draft vocabulary of 4096
+    random tokens."""
     config = llm.llm_engine.model_config
     torch.manual_seed(0)
     hf_config, layer = hf_layer(config.hidden_size, 256, config.num_attention_heads, config.num_key_value_heads,
@@ -201,11 +201,26 @@ def smol_head(llm, tmp_path_factory, request) -> str:
         for p in layer.parameters():
             p.mul_(0.1)
     tensors = random_head_tensors(layer, config.hidden_size, config.vocab_size, True, False)
-    if request.param == "draft vocabulary":
+    if draft_vocabulary:
         with_draft_vocabulary(tensors, sorted(torch.randperm(config.vocab_size)[:4096].tolist()), hf_config)
-    folder = tmp_path_factory.mktemp("smol_eagle") / "head"
-    write_layout(folder, "vllm", tensors, hf_config)
-    return str(folder)
+    write_layout(folder / "head", "vllm", tensors, hf_config)
+    return str(folder / "head")
+
+
+@pytest.fixture(scope="module")
+def smol_head_whole(llm, tmp_path_factory) -> str:
+    return write_smol_head(llm, tmp_path_factory.mktemp("smol_eagle"), draft_vocabulary=False)
+
+
+@pytest.fixture(scope="module")
+def smol_head_draft(llm, tmp_path_factory) -> str:
+    return write_smol_head(llm, tmp_path_factory.mktemp("smol_eagle_draft"), draft_vocabulary=True)
+
+
+@pytest.fixture(scope="module", params=["smol_head_whole", "smol_head_draft"],
+                ids=["target LM head", "draft vocabulary"])
+def smol_head(request) -> str:
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")

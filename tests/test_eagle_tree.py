@@ -17,7 +17,8 @@ from inferno.worker.spec_decode.drafting_request import DraftingRequest
 from inferno.worker.spec_decode.eagle import EagleProposer, build_eagle_head
 from inferno.worker.spec_decode.eagle_tree import DynamicTree, StaticTree
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
-from test_eagle import eagle, hf_layer, random_head_tensors, smol_head, write_layout  # noqa: F401 (fixture)
+from test_eagle import (eagle, hf_layer, random_head_tensors, smol_head, smol_head_draft,  # noqa: F401 (fixtures)
+                        smol_head_whole, write_layout)
 from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
 from test_spec_heads import TOKEN_TREE, medusa, record_trees, smol_heads  # noqa: F401 (fixture)
 
@@ -155,7 +156,8 @@ def test_greedy_with_an_eagle_tree_matches_plain_decoding_alone_and_in_batch(eag
 # takes a share of 11); its speculative_config: Medusa's static tree, or EAGLE's dynamic one, which reserves the most
 # lookahead slots (eagle_topk per depth: 4 here, to a static tree's 3)
 CRAMPED_TREES = {"medusa": ("smol_heads", 10, lambda heads: medusa(heads, speculative_token_tree=TOKEN_TREE)),
-                 "eagle": ("smol_head", 11, lambda head: eagle(head, **DYNAMIC))}
+                 "eagle": ("smol_head_whole", 11, lambda head: eagle(head, **DYNAMIC)),
+                 "eagle, draft vocabulary": ("smol_head_draft", 11, lambda head: eagle(head, **DYNAMIC))}
 
 
 @pytest.mark.parametrize("kind", CRAMPED_TREES)
