@@ -251,8 +251,8 @@ def train_on(head: EagleHead, draft_lm_head: torch.nn.Module, lm_head: torch.nn.
 def held_out_accuracy(head: EagleHead, lm_head: torch.nn.Module, test: list,
                       draft_lm_head: torch.nn.Module | None = None) -> float:
     """The fraction of held-out continuation positions where the head's top-1 is the target's own top-1 there
-    (teacher-forced: the first draft's greedy acceptance). `lm_head`: the target's; `draft_lm_head`: the head's (default: its own,
-    else the target's)."""
+    (teacher-forced: the first draft's greedy acceptance). `lm_head`: the target's; `draft_lm_head`: the
+    head's (default: its own, else the target's)."""
     draft_lm_head = draft_lm_head or head.lm_head or lm_head
     correct = total = 0
     for embeds, features, kinds, next_features in batches(test, 1):

@@ -81,7 +81,8 @@ def dense_weight(runner: ModelRunner, linear: torch.nn.Module, in_features: int)
         inputs = torch.cat([torch.eye(in_features), torch.zeros(1, in_features)])
         out = linear(inputs.to(runner.dtype).to(runner.device)).float().cpu()
     bias = out[-1]
-    return (out[:-1] - bias).t().clone(), bias.clone()  # normal tensors: inference-mode ones cannot take part in autograd
+    # normal tensors: inference-mode ones cannot take part in autograd
+    return (out[:-1] - bias).t().clone(), bias.clone()
 
 
 def dense_lm_head(runner: ModelRunner) -> torch.Tensor:
