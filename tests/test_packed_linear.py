@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.layers import packed_linear
+from inferno.layers.fused_cpu import resolve_fused_ops
 from inferno.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from tiny_models import write_hf_model
 
@@ -26,18 +27,21 @@ def test_packed_weight_gives_f_linear_bits(rows, with_bias):
     packed_linear.pack(weight)
     assert packed_linear.is_packed(weight)
     assert torch.equal(packed_linear.linear(x, weight, bias), expected)
+    resolve_fused_ops()  # as a compile does before it traces a model
     compiled = torch.compile(packed_linear.linear, dynamic=True, fullgraph=True)
     with torch.inference_mode():
         assert torch.equal(compiled(x, weight, bias), expected)
 
 
 def test_a_copy_lives_as_long_as_its_weight():
+    kept = torch.randn(32, 64, dtype=torch.bfloat16)
+    packed_linear.pack(kept)
+    assert torch.ops.inferno.drop_packed_linear_weight(kept.data_ptr())  # a copy there: the check below can fail
     weight = torch.randn(32, 64, dtype=torch.bfloat16)
     packed_linear.pack(weight)
-    key = weight.data_ptr()
-    assert key in packed_linear._PACKED
-    del weight
-    assert key not in packed_linear._PACKED  # a later tensor at that address must not find a stale copy
+    address = weight.data_ptr()
+    del weight  # its copy goes with it: a later tensor at that address must not find a stale copy
+    assert not torch.ops.inferno.drop_packed_linear_weight(address)
 
 
 def test_training_keeps_autograd():
