@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from inferno import LLM
-from results_md import write_section  # benchmarks/ (scripts run from this folder)
+from results_md import publish  # benchmarks/ (scripts run from this folder)
 from throughput import greedy, machine_note
 
 PEER = Path(__file__).with_name("vllm_peer.py")
@@ -220,10 +220,7 @@ def main() -> None:
     finally:
         vllm.close()
     body = report(args, results, vllm)
-    print("\n" + body)
-    if args.output:
-        write_section(Path(args.output), f"vs-vllm-{Path(args.model).name}", body)
-        print(f"updated {args.output}")
+    publish(args.output, f"vs-vllm-{Path(args.model).name}", body)
 
 
 if __name__ == "__main__":
