@@ -77,3 +77,11 @@ def test_engine_packs_bf16_weights_and_keeps_its_tokens(bf16_folder, monkeypatch
     monkeypatch.setattr(packed_linear, "packable", lambda weight: False)
     plain = LLM(str(bf16_folder), **engine_args)
     assert greedy_logprobs(plain) == with_copies
+
+
+def test_compiled_step_keeps_the_eager_bits(bf16_folder):
+    engine_args = dict(dtype="bfloat16", kv_cache_memory=16 << 20, enable_prefix_caching=False)
+    eager = greedy_logprobs(LLM(str(bf16_folder), enforce_eager=True, **engine_args))
+    llm = LLM(str(bf16_folder), enforce_eager=False, **engine_args)
+    assert llm.wait_for_warm_up(timeout=600), "the decode step did not compile"
+    assert greedy_logprobs(llm) == eager
