@@ -35,3 +35,11 @@ def write_section(path: Path, name: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
+
+
+def publish(output: str, name: str, body: str) -> None:
+    """Print a benchmark's section and, unless `output` is '', write it into that file (`write_section`)."""
+    print("\n" + body)
+    if output:
+        write_section(Path(output), name, body)
+        print(f"updated {output}")

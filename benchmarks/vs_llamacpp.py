@@ -42,7 +42,7 @@ from first_minute import FirstMinute, first_minute, free_port
 from inferno import LLM
 from inferno.loader.model_loader import default_model_path
 from llamacpp_tools import LlamaCpp
-from results_md import write_section
+from results_md import publish
 from throughput import greedy, machine_note
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,10 +216,7 @@ def main() -> None:
         gc.collect()
     cold = [] if args.skip_cold else cold_rounds(model_path, peer, args)
     body = report(args, model_path, steady, cold)
-    print("\n" + body)
-    if args.output:
-        write_section(Path(args.output), f"vs-llamacpp-{Path(model_path).stem}", body)
-        print(f"updated {args.output}")
+    publish(args.output, f"vs-llamacpp-{Path(model_path).stem}", body)
 
 
 if __name__ == "__main__":

@@ -141,8 +141,8 @@ def test_inferno_env_reports_what_a_bug_report_needs(capsys):
     assert re.search(r"^system: inferno .* \| threads = \d+ \| kernels = \w+ \| ", out, re.M)
 
 
-TORCH_HEADERS = ["ATen/Parallel.h", "ATen/core/Tensor.h", "ATen/ops/empty.h", "ATen/ops/empty_like.h",
-                 "torch/library.h", "torch/headeronly/util/BFloat16.h", "torch/headeronly/util/Half.h"]
+TORCH_HEADERS = ["ATen/Parallel.h", "ATen/core/Tensor.h", "ATen/core/dispatch/Dispatcher.h", "ATen/ops/empty.h",
+                 "ATen/ops/empty_like.h", "ATen/ops/linear.h", "torch/library.h", "torch/headeronly/util/BFloat16.h", "torch/headeronly/util/Half.h"]
 
 
 def intrinsics_outside_guards(source: str, empty_torch: Path) -> list[str]:

@@ -20,6 +20,7 @@ def register_fake_ops():
     register_w8a8_activations()
     register_fused_ops()
     register_lora_bgmv()
+    register_dense_linear()
 
 
 def register_attention():
@@ -126,3 +127,9 @@ def register_lora_bgmv():
     @torch.library.register_fake("inferno::lora_bgmv")
     def _(x, lora_a, lora_b, token_slots, slice_sizes):
         return x.new_empty(x.shape[0], lora_b.shape[2])
+
+
+def register_dense_linear():
+    @torch.library.register_fake("inferno::dense_linear")
+    def _(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])

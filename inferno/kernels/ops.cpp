@@ -6,13 +6,17 @@
 // replacing the first one's implementations.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <tuple>
+#include <unordered_map>
 
 #include "entry_points.h"
 
@@ -546,6 +550,52 @@ Tensor rotary(const Tensor& x, const Tensor& rotations) {
   return out;
 }
 
+// ---- bfloat16 linear layers on oneDNN's prepacked weights (inferno/layers/packed_linear.py) ----
+
+// The copies, by the address of the weight each was made from. Here rather than in Python so that a compiled step's
+// C++ wrapper calls `dense_linear` without going back to Python.
+std::mutex packed_mutex;
+std::unordered_map<int64_t, Tensor>& packed_weights() {
+  static std::unordered_map<int64_t, Tensor> copies;
+  return copies;
+}
+
+Tensor packed_copy(const Tensor& weight) {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  auto it = packed_weights().find(reinterpret_cast<int64_t>(weight.data_ptr()));
+  return it == packed_weights().end() ? Tensor() : it->second;
+}
+
+// oneDNN's copy of weight [N, K] (bfloat16, contiguous), laid out for a decode step's few rows
+void pack_linear_weight(const Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
+              "pack_linear_weight: a contiguous bfloat16 [N, K] weight");
+  static auto reorder = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
+  torch::jit::Stack stack{weight, int64_t{1}};
+  reorder.callBoxed(&stack);
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  packed_weights()[reinterpret_cast<int64_t>(weight.data_ptr())] = stack[0].toTensor();
+}
+
+// the copy of the weight that was at `address` dropped (its weight is gone); whether there was one
+bool drop_packed_linear_weight(int64_t address) {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  return packed_weights().erase(address) > 0;
+}
+
+bool is_packed_linear_weight(const Tensor& weight) { return packed_copy(weight).defined(); }
+
+// F.linear(x, weight, bias), on weight's packed copy where there is one (the same oneDNN kernel: the same bits)
+Tensor dense_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  Tensor packed = packed_copy(weight);
+  if (!packed.defined()) return at::linear(x, weight, bias);
+  static auto pointwise = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          c10::IValue()};
+  pointwise.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // ---- the LoRA product of a step's rows (lora_bgmv.cpp) ----
 
 // x [T, in]; lora_a [slots, slices * rank, in] and lora_b [slots, slices * rank, out] (layers/lora.py's LoRAStack:
@@ -622,6 +672,11 @@ TORCH_LIBRARY(inferno, m) {
   m.def("rotary(Tensor x, Tensor rotations) -> Tensor");
 
   m.def("lora_bgmv(Tensor x, Tensor lora_a, Tensor lora_b, Tensor token_slots, int[] slice_sizes) -> Tensor");
+
+  m.def("pack_linear_weight(Tensor weight) -> ()");
+  m.def("drop_packed_linear_weight(int address) -> bool");
+  m.def("is_packed_linear_weight(Tensor weight) -> bool");
+  m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferno, CPU, m) {
@@ -655,4 +710,11 @@ TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
   m.impl("lora_bgmv", &lora_bgmv);
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("is_packed_linear_weight", &is_packed_linear_weight);
+  m.impl("dense_linear", &dense_linear);
+}
+
+TORCH_LIBRARY_IMPL(inferno, CompositeExplicitAutograd, m) {  // no tensor argument to dispatch on
+  m.impl("drop_packed_linear_weight", &drop_packed_linear_weight);
 }

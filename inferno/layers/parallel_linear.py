@@ -13,6 +13,7 @@ from torch import nn
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.partition import even_split, split_heads
 from inferno.kernels import TILE_ROWS
+from inferno.layers.packed_linear import linear
 
 
 def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -33,6 +34,9 @@ class ColumnParallelLinear(nn.Linear):
         check_shape(name, loaded, (self.full_sizes[shard_id], *param.shape[1:]))
         rows, offset = self.shards[shard_id], self.offsets[shard_id]
         param.data[offset:offset + len(rows)].copy_(loaded[rows.start:rows.stop])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -86,7 +90,7 @@ class RowParallelLinear(nn.Linear):
         param.data.copy_(loaded[:, self.columns.start:self.columns.stop])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        out = linear(x, self.weight, self.bias)
         return out if self.parallel.tp_size == 1 or not self.reduce else self.parallel.all_reduce(out)
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferno.distributed.parallel_state import ParallelRank
+from inferno.layers.packed_linear import linear
 from inferno.layers.parallel_linear import check_shape
 
 
@@ -52,7 +53,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary slice, gathered on tensor rank 0 (where sampling happens)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight) if self.quantized is None else self.quantized(hidden)
+        logits = linear(hidden, self.weight) if self.quantized is None else self.quantized(hidden)
         if self.parallel.tp_size == 1:
             return logits
         # quantized rows are not padded: every rank's part padded to rows_per_rank for the gather
