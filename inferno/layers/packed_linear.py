@@ -1,8 +1,8 @@
 """bfloat16 linear layers on the CPU with their weight reordered once for oneDNN's inner product ("prepacked", as
 inductor's freezing and vLLM's CPU backend do). `F.linear` hands oneDNN the plain [N, K] weight, which it reorders
 on every call: a decode step's matrix-vector products then stream ~28 GB/s where the prepacked weight streams ~43
-(2 Zen 5 cores; a bfloat16 Qwen2.5-0.5B decode step 45 -> 21 ms). The same oneDNN kernel computes both: the same
-bits.
+(2 Zen 5 cores; a bfloat16 Qwen2.5-Coder-0.5B compiled decode step 47 -> 27 ms). The same oneDNN kernel computes
+both: the same bits.
 
 The reordered weight is an opaque oneDNN tensor, which torch.compile cannot trace, so the native library keeps the
 copies (ops.cpp, by the address of the weight each was made from) and the layers call `linear`: for a bfloat16 weight
