@@ -188,7 +188,8 @@ def report(args: argparse.Namespace, results: list[list[Round]], vllm: VllmEngin
              "prefix caching",
              f"- Workload: offline {args.num_prompts} requests, prompts {args.min_input}–{args.max_input} tokens, "
              f"outputs {args.min_output}–{args.max_output} (random ids, seed {args.seed}, greedy, EOS ignored); "
-             f"TTFT of a {args.ttft_prompt_len}-token prompt; decode {args.decode_output} tokens after a 16-token prompt",
+             f"TTFT of a {args.ttft_prompt_len}-token prompt; decode {args.decode_output} tokens after a 16-token "
+             "prompt",
              f"- {len(results)} rounds taking turns; greedy agreement on the first 16 tokens of the offline requests: "
              f"{agreement(results[0][0].tokens, results[0][1].tokens)}/{args.num_prompts}; the most CPU the idle "
              f"engine used during the other's turn: {idle:.2f} s", "",
