@@ -103,14 +103,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def make_workload(tokenizer: Tokenizer, args: argparse.Namespace) -> Workload:
-    rng = np.random.default_rng(args.seed)
-    ordinary = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.all_special_ids))
+def ordinary_ids(tokenizer) -> np.ndarray:
+    """The tokenizer's ids but its special ones: what the benchmarks' random prompts are drawn from."""
+    return np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.all_special_ids))
+
+
+def offline_requests(rng: np.random.Generator, ordinary: np.ndarray, args: argparse.Namespace
+                     ) -> tuple[list[list[int]], list[int]]:
+    """--num-prompts random prompts and their output lengths, uniform in [--min-input, --max-input] and
+    [--min-output, --max-output]."""
     input_lens = rng.integers(args.min_input, args.max_input + 1, args.num_prompts)
     output_lens = rng.integers(args.min_output, args.max_output + 1, args.num_prompts)
-    prompts = [rng.choice(ordinary, int(n)).tolist() for n in input_lens]
-    single_prompt = rng.choice(ordinary, args.single_prompt_len).tolist()
-    return Workload(prompts, output_lens.tolist(), single_prompt)
+    return [rng.choice(ordinary, int(n)).tolist() for n in input_lens], output_lens.tolist()
+
+
+def make_workload(tokenizer: Tokenizer, args: argparse.Namespace) -> Workload:
+    rng, ordinary = np.random.default_rng(args.seed), ordinary_ids(tokenizer)
+    prompts, output_lens = offline_requests(rng, ordinary, args)
+    return Workload(prompts, output_lens, rng.choice(ordinary, args.single_prompt_len).tolist())
 
 
 # inferno

@@ -43,7 +43,7 @@ from inferno import LLM
 from inferno.loader.model_loader import default_model_path
 from llamacpp_tools import LlamaCpp
 from results_md import publish
-from throughput import greedy, machine_note
+from throughput import greedy, machine_note, ordinary_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 COLD_PROMPTS = [f"Chapter {i}. The old lighthouse keeper looked at the sea and" for i in range(1, 9)]
@@ -65,8 +65,7 @@ class Round:
 class InfernoPeer:
     def __init__(self, llm: LLM, seed: int):
         self.llm = llm
-        tokenizer = llm.get_tokenizer()
-        self.ordinary = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.all_special_ids))
+        self.ordinary = ordinary_ids(llm.get_tokenizer())
         self.rng = np.random.default_rng(seed)
 
     def prompts(self, n: int, length: int) -> list[dict]:

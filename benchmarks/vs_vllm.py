@@ -33,7 +33,7 @@ import torch
 
 from inferno import LLM
 from results_md import publish  # benchmarks/ (scripts run from this folder)
-from throughput import greedy, machine_note
+from throughput import greedy, machine_note, offline_requests, ordinary_ids
 
 PEER = Path(__file__).with_name("vllm_peer.py")
 PRELOADS = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so"]  # the latter in vLLM's env
@@ -110,15 +110,10 @@ class Workload:
 
 
 def make_workload(llm: LLM, args: argparse.Namespace) -> Workload:
-    tokenizer = llm.get_tokenizer()
-    ordinary = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.all_special_ids))
-    rng = np.random.default_rng(args.seed)
-
-    def prompt(n: int) -> list[int]:
-        return rng.choice(ordinary, n).tolist()
-    input_lens = rng.integers(args.min_input, args.max_input + 1, args.num_prompts)
-    output_lens = rng.integers(args.min_output, args.max_output + 1, args.num_prompts).tolist()
-    return Workload([prompt(int(n)) for n in input_lens], output_lens, prompt(args.ttft_prompt_len), prompt(16))
+    rng, ordinary = np.random.default_rng(args.seed), ordinary_ids(llm.get_tokenizer())
+    prompts, output_lens = offline_requests(rng, ordinary, args)
+    return Workload(prompts, output_lens, rng.choice(ordinary, args.ttft_prompt_len).tolist(),
+                    rng.choice(ordinary, 16).tolist())
 
 
 @dataclass(slots=True)
