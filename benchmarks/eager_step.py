@@ -3,7 +3,7 @@ steps at batch 1 and batch 16, eager (`enforce_eager=True`) then compiled (after
 prefill step; with --profile, where the eager step's CPU time goes (torch.profiler, top operators) and how much of the
 step is the model runner's `execute_model` (the rest: scheduler, stop checks, outputs).
 
-    python benchmarks/eager_step.py [--model FILE] [--batches 1 16] [--steps 60] [--profile] [--no-compiled]
+    python benchmarks/eager_step.py [--model FILE] [--dtype D] [--batches 1 16] [--steps 60] [--profile] [--no-compiled]
 """
 import argparse
 import itertools
@@ -99,12 +99,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-compiled", action="store_true", help="the eager engine only")
+    parser.add_argument("--dtype", default="auto", help="the float dtype of an HF folder (float32, bfloat16)")
     parser.add_argument("--threads", type=int, default=None, help="the engine's threads (default: all cores)")
     parser.add_argument("--cpu-time", action="store_true", help="time steps by the process's CPU time")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
-    rows, options = {}, {"model": args.model, "num_threads": args.threads}
+    rows, options = {}, {"model": args.model, "num_threads": args.threads, "dtype": args.dtype}
     eager = LLMEngine(EngineConfig(**options, enforce_eager=True))
     rows["eager"] = measure(eager, args)
     print(f"eager: execute_model is {execute_share(eager, args.steps):.0%} of a batch-1 step", flush=True)

@@ -550,7 +550,7 @@ Tensor rotary(const Tensor& x, const Tensor& rotations) {
   return out;
 }
 
-// ---- bfloat16 linear layers on oneDNN's prepacked weights (inferno/layers/packed_linear.py) ----
+// ---- bfloat16 and float32 linear layers on oneDNN's prepacked weights (inferno/layers/packed_linear.py) ----
 
 // The copies, by the address of the weight each was made from. Here rather than in Python so that a compiled step's
 // C++ wrapper calls `dense_linear` without going back to Python.
@@ -566,10 +566,11 @@ Tensor packed_copy(const Tensor& weight) {
   return it == packed_weights().end() ? Tensor() : it->second;
 }
 
-// oneDNN's copy of weight [N, K] (bfloat16, contiguous), laid out for a decode step's few rows
+// oneDNN's copy of weight [N, K] (bfloat16 or float32, contiguous), laid out for a decode step's few rows
 void pack_linear_weight(const Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
-              "pack_linear_weight: a contiguous bfloat16 [N, K] weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+              (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+              "pack_linear_weight: a contiguous bfloat16 or float32 [N, K] weight");
   static auto reorder = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
   torch::jit::Stack stack{weight, int64_t{1}};
   reorder.callBoxed(&stack);
@@ -585,7 +586,8 @@ bool drop_packed_linear_weight(int64_t address) {
 
 bool is_packed_linear_weight(const Tensor& weight) { return packed_copy(weight).defined(); }
 
-// F.linear(x, weight, bias), on weight's packed copy where there is one (the same oneDNN kernel: the same bits)
+// F.linear(x, weight, bias), on weight's packed copy where there is one (bfloat16: the same oneDNN kernel as
+// F.linear, the same bits; float32: oneDNN's kernel where F.linear calls MKL's, equal up to float32 rounding)
 Tensor dense_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
   Tensor packed = packed_copy(weight);
   if (!packed.defined()) return at::linear(x, weight, bias);

@@ -38,7 +38,7 @@ class TileSwitch:
         self.model = model
         # the layers that will run on tiles (none where their copies would not fit in memory)
         self.planned: list[QuantizedLinear] = planned_tiles(model) if enabled else []
-        # and the bfloat16 weights that get oneDNN copies (layers/packed_linear.py) at the same moment
+        # and the float weights that get oneDNN copies (layers/packed_linear.py) at the same moment
         self.to_pack: list[torch.Tensor] = planned_packing(model) if enabled else []
         self.tiled = not (self.planned or self.to_pack)  # made, or given up on: nothing left to switch
         self.first_step_done = threading.Event()
@@ -97,14 +97,14 @@ def planned_tiles(model: torch.nn.Module) -> list[QuantizedLinear]:
 
 
 def planned_packing(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The bfloat16 weights of the layers that compute through `packed_linear.linear`; none where their copies
-    would take over half the memory available."""
+    """The float (bfloat16, float32) weights of the layers that compute through `packed_linear.linear`; none where
+    their copies would take over half the memory available."""
     layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     weights = [m.weight for m in model.modules() if isinstance(m, layers) and getattr(m, "quantized", None) is None
                and packed_linear.packable(m.weight)]
     size = sum(w.nbytes for w in weights)
     if weights and size > available_memory() // 2:
-        logger.info("bfloat16 weights stay unpacked: their oneDNN copies (%.2f GiB) would take over half the memory "
+        logger.info("float weights stay unpacked: their oneDNN copies (%.2f GiB) would take over half the memory "
                     "available", size / 2**30)
         return []
     return weights
@@ -118,10 +118,10 @@ def pack_weights(weights: list[torch.Tensor]) -> None:
             for weight in weights:
                 packed_linear.pack(weight)
     except Exception:  # an optimisation: the weights not packed run plain F.linear
-        logger.exception("packing the bfloat16 weights for oneDNN failed")
+        logger.exception("packing the float weights for oneDNN failed")
         return
     if weights:
-        logger.info("%d bfloat16 weights packed for oneDNN (%.2f GiB) in %.2f s", len(weights),
+        logger.info("%d float weights packed for oneDNN (%.2f GiB) in %.2f s", len(weights),
                     sum(w.nbytes for w in weights) / 2**30, time.perf_counter() - start)
 
 
