@@ -148,22 +148,27 @@ def test_folder_layouts_load_a_head_whose_logits_match_the_reference(tmp_path, t
 
 @pytest.mark.skipif(not packed_linear.packable(torch.zeros(2, 2, dtype=torch.bfloat16)),
                     reason="oneDNN has no bfloat16 inner product on this CPU")
-def test_a_bfloat16_head_drafts_on_packed_weights_with_the_bits_of_plain_ones(tmp_path, target_config):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_head_drafts_in_bfloat16_on_packed_weights_with_the_bits_of_plain_ones(tmp_path, target_config, dtype):
+    """A float32 model's head runs in bfloat16 too, taking and giving float32 features."""
     torch.manual_seed(0)
     config, layer = hf_layer(32, 48, 4, 2, 90)
     tensors = random_head_tensors(layer, 32, 90, True, False)
     with_draft_vocabulary(tensors, DRAFT_IDS, config)
     write_layout(tmp_path / "head", "vllm", tensors, config)
-    head = load_eagle_head(str(tmp_path / "head"), target_config, torch.bfloat16, torch.device("cpu"))
+    head = load_eagle_head(str(tmp_path / "head"), target_config, dtype, torch.device("cpu"))
     matrices = [p for p in head.parameters() if p.dim() == 2]
+    assert all(p.dtype == torch.bfloat16 for p in head.parameters())
     assert len(matrices) == 6 and all(packed_linear.is_packed(w) for w in matrices)  # fc, 4 in the layer, LM head
     plain = build_eagle_head(read_eagle_folder(tmp_path / "head"), target_config).bfloat16()
     assert not any(packed_linear.is_packed(p) for p in plain.parameters())
-    embeds, features = torch.randn(7, 32, dtype=torch.bfloat16), torch.randn(7, 32, dtype=torch.bfloat16)
-    target_lm_head = torch.nn.Linear(32, 90, bias=False).bfloat16()
+    embeds, features = torch.randn(7, 32, dtype=dtype), torch.randn(7, 32, dtype=dtype)
+    target_lm_head = torch.nn.Linear(32, 90, bias=False).to(dtype)
     with torch.inference_mode():
-        packed = head.logits(paged_features(head, embeds, features), target_lm_head)
-        expected = plain.logits(paged_features(plain, embeds, features), target_lm_head)
+        out = paged_features(head, embeds, features)
+        packed = head.logits(out, target_lm_head)
+        expected = plain.logits(paged_features(plain, embeds.bfloat16(), features.bfloat16()), target_lm_head)
+    assert out.dtype == dtype
     assert torch.equal(packed, expected)
     assert torch.isfinite(packed[:, DRAFT_IDS]).all() and packed.isinf().sum() == 7 * (90 - len(DRAFT_IDS))
 
