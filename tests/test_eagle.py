@@ -14,6 +14,7 @@ from inferno import LLM, SamplingParams
 from inferno.core.head_training import TrainingSequence
 from inferno.entrypoints.cli import main
 from inferno.entrypoints.train_draft_heads import read_sequences, write_sequences
+from inferno.layers import packed_linear
 from inferno.layers.attention import select_attention_backend
 from inferno.loader.eagle_folder import read_eagle_folder
 from inferno.loader.safetensors import read_config
@@ -22,7 +23,7 @@ from inferno.worker.input_batch import TokenChunk, lay_out_chunks
 from inferno.worker.model_runner import kv_bytes_per_block
 from inferno.loader.eagle_folder import head_layer_config
 from inferno.worker.spec_decode import eagle_training, head_training
-from inferno.worker.spec_decode.eagle import build_eagle_head
+from inferno.worker.spec_decode.eagle import build_eagle_head, load_eagle_head
 from inferno.worker.spec_decode.head_training import record_hidden_states
 from test_spec_decode import MAX_TOKENS, greedy, prompts, reference, token_ids  # noqa: F401 (fixtures)
 from test_spec_heads import TOKEN_TREE, cycle_model, write_training_prompts  # noqa: F401 (fixture)
@@ -78,7 +79,7 @@ def paged_features(head: EagleHead, embeds, features) -> torch.Tensor:
     attn = head.attention
     attn.backend = select_attention_backend("torch", torch.device("cpu"), 16, attn.num_kv_heads, 4,
                                             head.config.head_dim, None, False, None)
-    attn.k_cache = torch.zeros(attn.num_kv_heads, 4, 16, head.config.head_dim)
+    attn.k_cache = torch.zeros(attn.num_kv_heads, 4, 16, head.config.head_dim, dtype=head.fc.weight.dtype)
     attn.v_cache = torch.zeros_like(attn.k_cache)
     mb = lay_out_chunks([TokenChunk(list(range(len(embeds))), 0, [0, 1, 2, 3])], 16)
     meta = attn.backend.build_metadata(mb.slot_mapping, mb.decodes, mb.prefills)
@@ -143,6 +144,33 @@ def test_folder_layouts_load_a_head_whose_logits_match_the_reference(tmp_path, t
         paged = head.logits(paged_features(head, embeds, features), lm_head)
     torch.testing.assert_close(dense, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(paged, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not packed_linear.packable(torch.zeros(2, 2, dtype=torch.bfloat16)),
+                    reason="oneDNN has no bfloat16 inner product on this CPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_head_drafts_in_bfloat16_on_packed_weights_with_the_bits_of_plain_ones(tmp_path, target_config, dtype):
+    """A float32 model's head runs in bfloat16 too, taking and giving float32 features."""
+    torch.manual_seed(0)
+    config, layer = hf_layer(32, 48, 4, 2, 90)
+    tensors = random_head_tensors(layer, 32, 90, True, False)
+    with_draft_vocabulary(tensors, DRAFT_IDS, config)
+    write_layout(tmp_path / "head", "vllm", tensors, config)
+    head = load_eagle_head(str(tmp_path / "head"), target_config, dtype, torch.device("cpu"))
+    matrices = [p for p in head.parameters() if p.dim() == 2]
+    assert all(p.dtype == torch.bfloat16 for p in head.parameters())
+    assert len(matrices) == 6 and all(packed_linear.is_packed(w) for w in matrices)  # fc, 4 in the layer, LM head
+    plain = build_eagle_head(read_eagle_folder(tmp_path / "head"), target_config).bfloat16()
+    assert not any(packed_linear.is_packed(p) for p in plain.parameters())
+    embeds, features = torch.randn(7, 32, dtype=dtype), torch.randn(7, 32, dtype=dtype)
+    target_lm_head = torch.nn.Linear(32, 90, bias=False).to(dtype)
+    with torch.inference_mode():
+        out = paged_features(head, embeds, features)
+        packed = head.logits(out, target_lm_head)
+        expected = plain.logits(paged_features(plain, embeds.bfloat16(), features.bfloat16()), target_lm_head)
+    assert out.dtype == dtype
+    assert torch.equal(packed, expected)
+    assert torch.isfinite(packed[:, DRAFT_IDS]).all() and packed.isinf().sum() == 7 * (90 - len(DRAFT_IDS))
 
 
 def test_bad_folders_are_refused_with_a_clear_error(tmp_path, target_config):

@@ -5,13 +5,18 @@ and vLLM's / SGLang's llama_eagle); its output, without a final norm, is the hea
 the target's LM head maps it to the token at p + 2, and it stands in for the target's feature at p + 1 when the head
 runs on to its next draft. The embedding is always the target's; the LM head too unless the folder has its own,
 which may cover a draft vocabulary (EAGLE-3's, vLLM's and SGLang's `draft_vocab_size`): a subset of the target's
-tokens, `draft_to_target` their target ids."""
+tokens, `draft_to_target` their target ids. The fc and the own LM head compute through `packed_linear.linear`, as
+the layer's projections do: in bfloat16 on the CPU on the oneDNN copies the proposer makes at load
+(worker/spec_decode/eagle.py), the same bits as `F.linear`. The head may run in another dtype than the target (bfloat16
+for a float32 one on the CPU): it takes the target's embeddings and features in theirs and gives its own back in
+them."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from inferno.config import ModelConfig
 from inferno.distributed.parallel_state import SINGLE
+from inferno.layers.packed_linear import linear
 from inferno.layers.rotary import RotaryEmbedding, apply_rotary
 from inferno.model.llama import DecoderLayer
 
@@ -42,9 +47,9 @@ class EagleHead(nn.Module):
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The head's features [T, hidden] over a flat batch on its paged KV cache: `embeds` of the tokens at p + 1,
         `features` (the target's, or the head's own while drafting) at p, `positions` p."""
-        x = self.fc(torch.cat([embeds, features], dim=-1))
+        x = linear(torch.cat([embeds, features], dim=-1).to(self.fc.weight.dtype), self.fc.weight, self.fc.bias)
         out, residual = self.layers[0](x, None, self.rotary.rotations(positions), meta)
-        return out + residual
+        return (out + residual).to(features.dtype)
 
     def set_draft_vocabulary(self, target_ids: torch.Tensor) -> None:
         """The target ids of the LM head's rows (ascending)."""
@@ -55,7 +60,8 @@ class EagleHead(nn.Module):
     def logits(self, features: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
         """Float32 logits over the target's vocabulary of the token two positions after each feature's (-inf
         outside a draft vocabulary)."""
-        logits = (self.lm_head or target_lm_head)(features).float()
+        logits = (target_lm_head(features) if self.lm_head is None
+                  else linear(features.to(self.lm_head.weight.dtype), self.lm_head.weight)).float()
         if self.draft_to_target is None:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))

@@ -16,7 +16,7 @@ from inferno.worker.kv_connector import KVConnector
 from inferno.worker.model_runner import ModelRunner, kv_bytes_per_block
 from inferno.worker.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from inferno.worker.spec_decode.drafting_request import DraftingRequest
-from inferno.worker.spec_decode.eagle import EagleProposer, head_kv_bytes_per_block, load_eagle_head
+from inferno.worker.spec_decode.eagle import EagleProposer, head_dtype, head_kv_bytes_per_block, load_eagle_head
 from inferno.worker.spec_decode.medusa import MedusaProposer, load_medusa_heads
 from inferno.worker.spec_decode.ngram import NgramProposer
 from inferno.worker.warm_up import import_compiler_early
@@ -32,8 +32,8 @@ def kv_block_bytes(config: EngineConfig, model_config: ModelConfig, eagle_head: 
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         models.append(read_model_config(spec.model))
-    head_bytes = 0 if eagle_head is None else head_kv_bytes_per_block(eagle_head, config.block_size,
-                                                                      config.torch_dtype)
+    head_bytes = 0 if eagle_head is None else head_kv_bytes_per_block(
+        eagle_head, config.block_size, head_dtype(config.torch_dtype, torch.device(config.device)))
     return head_bytes + sum(kv_bytes_per_block(m, config.block_size, config.kv_cache_dtype) for m in models)
 
 
