@@ -83,3 +83,15 @@ def num_clear_positions(gaps: list[float], logit_tolerance: float, min_compared:
     assert clear >= max(1, min_compared), (f"the reference has a near-tie at position {clear}, leaving fewer than "
                                            f"{max(1, min_compared)} positions to compare; pick another prompt")
     return clear
+
+
+def assert_same_greedy(reference, outputs, logit_tolerance: float, min_compared: int) -> None:
+    """Two runs' greedy RequestOutputs (logprobs >= 2): the same tokens up to the reference's first near-tie, with
+    logprobs within `logit_tolerance`."""
+    for ref, out in zip(reference, outputs):
+        ref, out = ref.outputs[0], out.outputs[0]
+        clear = num_clear_positions([top2_gap(step) for step in ref.logprobs], logit_tolerance, min_compared)
+        assert out.token_ids[:clear] == ref.token_ids[:clear], (out.token_ids, ref.token_ids)
+        for ref_step, step in zip(ref.logprobs[:clear], out.logprobs[:clear]):
+            for token, lp in ref_step.items():
+                assert abs(step[token].logprob - lp.logprob) < logit_tolerance

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_all_blocks_free, num_clear_positions
-from inferno import LLM, SamplingParams
+from conftest import assert_all_blocks_free, assert_same_greedy
+from inferno import LLM, RequestOutput, SamplingParams
 from inferno.layers import packed_linear
 from inferno.layers.fused_cpu import resolve_fused_ops
 from inferno.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -67,47 +67,40 @@ def hf_folder(tmp_path_factory):
     return folder
 
 
-def greedy_steps(llm: LLM) -> list[list[tuple[int, dict[int, float]]]]:
-    """Per prompt, per step: the greedy token and the two best log-probabilities."""
+def greedy(llm: LLM) -> list[RequestOutput]:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": [3 + i, 50, 7 * i + 1, 99, 42]} for i in range(3)]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def steps(outputs: list[RequestOutput]) -> list[list[tuple[int, dict[int, float]]]]:
+    """Per prompt, per step: the greedy token and the two best log-probabilities (to compare bit for bit)."""
     return [[(t, {k: v.logprob for k, v in lp.items()}) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-            for o in outs]
-
-
-def assert_close_steps(reference, steps, tolerance: float) -> None:
-    """The same greedy tokens up to the reference's first near-tie, log-probabilities within `tolerance`."""
-    for ref, out in zip(reference, steps):
-        top2 = [sorted(lps.values(), reverse=True)[:2] for _, lps in ref]
-        clear = num_clear_positions([best - second for best, second in top2], tolerance, min_compared=4)
-        assert [t for t, _ in out[:clear]] == [t for t, _ in ref[:clear]]
-        for (_, ref_lps), (_, lps) in zip(ref[:clear], out[:clear]):
-            assert all(abs(lps[k] - v) < tolerance for k, v in ref_lps.items())
+            for o in outputs]
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16)])
 def test_engine_packs_float_weights_and_keeps_its_tokens(hf_folder, dtype, monkeypatch):
     engine_args = dict(dtype=dtype, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=True)
     packed = LLM(str(hf_folder), **engine_args)
-    with_copies = greedy_steps(packed)
+    with_copies = greedy(packed)
     model = packed.llm_engine.model_runner.model
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     assert layers and all(packed_linear.is_packed(m.weight) for m in layers)
     assert_all_blocks_free(packed.llm_engine)
     del packed, model, layers
     monkeypatch.setattr(packed_linear, "packable", lambda weight: False)
-    plain = greedy_steps(LLM(str(hf_folder), **engine_args))
+    plain = greedy(LLM(str(hf_folder), **engine_args))
     if dtype == "bfloat16":
-        assert plain == with_copies  # the same kernel: the same bits
+        assert steps(plain) == steps(with_copies)  # the same kernel: the same bits
     else:
-        assert_close_steps(plain, with_copies, tolerance=1e-4)  # oneDNN's float32 kernel where MKL's ran
+        assert_same_greedy(plain, with_copies, 1e-4, min_compared=4)  # oneDNN's float32 kernel where MKL's ran
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16)])
 def test_compiled_step_keeps_the_eager_bits(hf_folder, dtype):
     engine_args = dict(dtype=dtype, kv_cache_memory=16 << 20, enable_prefix_caching=False)
-    eager = greedy_steps(LLM(str(hf_folder), enforce_eager=True, **engine_args))
+    eager = steps(greedy(LLM(str(hf_folder), enforce_eager=True, **engine_args)))
     llm = LLM(str(hf_folder), enforce_eager=False, **engine_args)
     assert llm.wait_for_warm_up(timeout=600), "the decode step did not compile"
-    assert greedy_steps(llm) == eager
+    assert steps(greedy(llm)) == eager

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import FLOAT32, num_clear_positions, prefill_logits, top2_gap
+from conftest import FLOAT32, assert_same_greedy, num_clear_positions, prefill_logits, top2_gap
 from inferno import LLM, SamplingParams
 from inferno.distributed.parallel_state import ParallelRank
 from inferno.distributed.partition import split_heads
@@ -47,17 +47,6 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def assert_same_greedy(reference, outputs, min_compared: int) -> None:
-    """Same tokens up to the reference's first near-tie, with logprobs within the logit tolerance."""
-    for ref, out in zip(reference, outputs):
-        ref, out = ref.outputs[0], out.outputs[0]
-        clear = num_clear_positions([top2_gap(step) for step in ref.logprobs], LOGIT_TOLERANCE, min_compared)
-        assert out.token_ids[:clear] == ref.token_ids[:clear], (out.token_ids, ref.token_ids)
-        for ref_step, step in zip(ref.logprobs[:clear], out.logprobs[:clear]):
-            for token, lp in ref_step.items():
-                assert abs(step[token].logprob - lp.logprob) < LOGIT_TOLERANCE
-
-
 def check_matches_single_process(single: LLM, model: str | None, layout: str, prompts: list[str],
                                  engine_args: dict = FLOAT32) -> LLM:
     ids = single.get_tokenizer().encode(PROMPTS[0])
@@ -68,7 +57,7 @@ def check_matches_single_process(single: LLM, model: str | None, layout: str, pr
         assert llm.llm_engine.num_blocks == single.llm_engine.num_blocks
         logits = prefill_logits(llm.llm_engine, ids)
         assert (logits - ref_logits).abs().max().item() < LOGIT_TOLERANCE
-        assert_same_greedy(reference, llm.generate(prompts, params, use_tqdm=False), min_compared=8)
+        assert_same_greedy(reference, llm.generate(prompts, params, use_tqdm=False), LOGIT_TOLERANCE, min_compared=8)
         if layout == "tp2":
             single_bytes = param_bytes(single.llm_engine.model_runner.model)
             rank0 = param_bytes(llm.llm_engine.model_runner.model)
@@ -113,7 +102,8 @@ def test_gguf_as_stored_matches_single_process(gguf_reference, layout):
         logprobs = prefill_logits(llm.llm_engine, ids).log_softmax(-1)
         assert (logprobs - ref_logprobs).abs().max().item() < LOGIT_TOLERANCE
         if layout == "tp2":
-            assert_same_greedy(reference, llm.generate(prompts, GGUF_PARAMS, use_tqdm=False), min_compared=8)
+            outputs = llm.generate(prompts, GGUF_PARAMS, use_tqdm=False)
+            assert_same_greedy(reference, outputs, LOGIT_TOLERANCE, min_compared=8)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -131,7 +121,7 @@ def test_pipeline_micro_batches_match_one_batch():
     with parallel_llm(kv_cache_memory=16 << 20, pipeline_parallel_size=2, **FLOAT32) as llm:
         one_by_one = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]  # prompts cut in two pieces
         batched = llm.generate(prompts, params, use_tqdm=False)  # two micro-batches of whole requests
-    assert_same_greedy(one_by_one, batched, min_compared=4)
+    assert_same_greedy(one_by_one, batched, LOGIT_TOLERANCE, min_compared=4)
     for alone, together in zip(one_by_one, batched):
         assert len(alone.prompt_logprobs) == len(together.prompt_logprobs) == len(alone.prompt_token_ids)
         for a, b in zip(alone.prompt_logprobs[1:], together.prompt_logprobs[1:]):
