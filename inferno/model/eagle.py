@@ -6,10 +6,9 @@ the target's LM head maps it to the token at p + 2, and it stands in for the tar
 runs on to its next draft. The embedding is always the target's; the LM head too unless the folder has its own,
 which may cover a draft vocabulary (EAGLE-3's, vLLM's and SGLang's `draft_vocab_size`): a subset of the target's
 tokens, `draft_to_target` their target ids. The fc and the own LM head compute through `packed_linear.linear`, as
-the layer's projections do: in bfloat16 on the CPU on the oneDNN copies the proposer makes at load
-(worker/spec_decode/eagle.py), the same bits as `F.linear`. The head may run in another dtype than the target (bfloat16
-for a float32 one on the CPU): it takes the target's embeddings and features in theirs and gives its own back in
-them."""
+the layer's projections do: on the CPU on the oneDNN copies the proposer makes at load (worker/spec_decode/eagle.py).
+The head may run in another dtype than the target (bfloat16 for a float32 one on the CPU): it takes the target's
+embeddings and features in theirs and gives its own back in them."""
 import torch
 import torch.nn.functional as F
 from torch import nn
