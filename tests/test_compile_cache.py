@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from inferno.layers.quantization.super_blocks import ShardedLinear
 from inferno.loader.model_loader import load_model
 from inferno.worker.compile_cache import (precompiled_key, read_precompiled, stable_block_capacity, structure,
                                           write_precompiled)
@@ -70,12 +71,18 @@ def precompiled_files(cache: Path) -> list[Path]:
     return list(cache.rglob("decode-*.bin"))
 
 
+# Q4_K_M's mix (the form most GGUF files are downloaded in): Q4_K tiles, Q6_K tiles for attn_v and ffn_down, so the
+# fused QKV projection is a ShardedLinear of two types (whose guards once made the precompiled step unloadable)
+Q4_K_M = {kind: T.Q4_K for kind in ("token_embd", "output", "attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")} | {
+    "attn_v": T.Q6_K, "ffn_down": T.Q6_K}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
-    """Two Q4_1 models (the default model's type: tiles in the compiled step) of the same shapes, other weights."""
+    """Two Q4_K_M-style models of the same shapes, other weights."""
     folder = tmp_path_factory.mktemp("models")
-    return (write_tiny_gguf(folder / "a.gguf", T.Q4_1, tied=False, seed=1),
-            write_tiny_gguf(folder / "b.gguf", T.Q4_1, tied=False, seed=2))
+    return (write_tiny_gguf(folder / "a.gguf", Q4_K_M, tied=False, seed=1),
+            write_tiny_gguf(folder / "b.gguf", Q4_K_M, tied=False, seed=2))
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +96,8 @@ def first_start(models, tmp_path_factory) -> tuple[Path, dict]:
 
 def test_second_start_loads_the_precompiled_step_and_gets_the_same_bits(models, first_start):
     cache, first = first_start
+    model = load_model(str(models[0]), torch.float32, quantization="auto").model
+    assert any(isinstance(m, ShardedLinear) for m in model.modules())
     second = start(models[0], cache)
     assert traced_graphs(second) == 0  # no dynamo at all
     assert "decode graphs loaded from decode-" in second["log"]

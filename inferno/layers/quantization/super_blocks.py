@@ -101,12 +101,14 @@ class ShardedLinear(nn.Module):
     def __init__(self, parts: list[SuperBlockLinear], bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
-        self.parts = nn.ModuleList(parts)
+        self.parts, self.num_parts = nn.ModuleList(parts), len(parts)
         self.register_buffer("bias", bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        # parts by index, not by iterating the list: dynamo guards the order of the keys of a module dict it iterates,
+        # a guard a precompiled decode step cannot load (torch 2.13: its source names the model, absent at load)
+        y = torch.cat([self.parts[i](x) for i in range(self.num_parts)], dim=-1)
         return y if self.bias is None else y + self.bias
