@@ -7,7 +7,8 @@ decodes one greedy request of --max-tokens after another (--gap seconds apart), 
 command (the parent's clock before it starts the process). The first start gets an empty compile cache (INFERNO_COMPILE_CACHE, a new
 folder), the second start the folder the first one filled. A step slower than --stall seconds gets every thread's
 Python stack dumped to the child's stderr while it is still running (faulthandler, which needs no GIL), so a stall
-shows what the warm-up thread was doing. Results print as a table and replace the `warm_up` section of --output.
+shows what the warm-up thread was doing. Results print as a table and replace the `warm_up` section of --output
+(`warm_up-<model>` for a model other than the default).
 """
 import argparse
 import faulthandler
@@ -124,10 +125,9 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
-    if args.model is None:
-        from inferno.loader.model_loader import default_model_path
-        args.model = default_model_path()
-    args.model = str(Path(args.model).resolve())
+    from inferno.loader.model_loader import default_model_path
+    default = args.model is None
+    args.model = str(Path(args.model or default_model_path()).resolve())
     cache = args.cache or tempfile.mkdtemp(prefix="inferno-compile-")
     rows = []
     for name in ("first start (empty cache)", "second start (same cache)"):
@@ -135,7 +135,8 @@ def main() -> None:
         print(rows[-1], flush=True)
 
     command = shlex.join(["python", "warm_up.py", *sys.argv[1:]])
-    lines = ["## Warm-up (`benchmarks/warm_up.py`)", "",
+    section = "warm_up" if default else f"warm_up-{Path(args.model).stem}"
+    lines = [f"## Warm-up{'' if default else ' of ' + Path(args.model).name} (`benchmarks/warm_up.py`)", "",
              f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- Machine: {os.cpu_count()} CPU cores ({cpu_name()}), {args.num_threads} threads; load average "
              f"{os.getloadavg()[0]:.1f} at the end",
@@ -149,7 +150,7 @@ def main() -> None:
                      f"{fmt(steady, ' tok/s')} | {fmt(first)} | {speeds} |")
     print("\n".join(lines))
     if args.output:
-        write_section(Path(args.output), "warm_up", "\n".join(lines))
+        write_section(Path(args.output), section, "\n".join(lines))
 
 
 if __name__ == "__main__":
