@@ -3,7 +3,8 @@ steps at batch 1 and batch 16, eager (`enforce_eager=True`) then compiled (after
 prefill step; with --profile, where the eager step's CPU time goes (torch.profiler, top operators) and how much of the
 step is the model runner's `execute_model` (the rest: scheduler, stop checks, outputs).
 
-    python benchmarks/eager_step.py [--model FILE] [--dtype D] [--batches 1 16] [--steps 60] [--profile] [--no-compiled]
+    python benchmarks/eager_step.py [--model FILE] [--dtype D] [--batches 1 16] [--steps 60] [--temperature T]
+                                    [--profile] [--no-compiled]
 """
 import argparse
 import itertools
@@ -15,13 +16,15 @@ from inferno.config import EngineConfig
 
 PROMPT = "Write a short story about a lighthouse keeper."
 CLOCK = time.perf_counter
+TEMPERATURE = 0.0  # --temperature: greedy by default
 PREFILL_TOKENS = itertools.count(100)  # a token of its own per prompt: no prefix-cache hit on a later call
 
 
 def decode_steps(engine: LLMEngine, batch: int, steps: int) -> list[float]:
-    """Seconds of each engine step once `batch` greedy requests all decode (their prompts' steps left out): wall
-    time, or with --cpu-time the process's CPU time (steadier on a loaded machine, with --threads 1)."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    """Seconds of each engine step once `batch` requests (greedy unless --temperature) all decode (their prompts'
+    steps left out): wall time, or with --cpu-time the process's CPU time (steadier on a loaded machine, with
+    --threads 1)."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=TEMPERATURE, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{time.time()}-{i}", PROMPT, params)
     times = []
@@ -102,9 +105,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the float dtype of an HF folder (float32, bfloat16)")
     parser.add_argument("--threads", type=int, default=None, help="the engine's threads (default: all cores)")
     parser.add_argument("--cpu-time", action="store_true", help="time steps by the process's CPU time")
+    parser.add_argument("--temperature", type=float, default=0.0, help="decode steps sample at this temperature")
     args = parser.parse_args()
-    global CLOCK
+    global CLOCK, TEMPERATURE
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
+    TEMPERATURE = args.temperature
     rows, options = {}, {"model": args.model, "num_threads": args.threads, "dtype": args.dtype}
     eager = LLMEngine(EngineConfig(**options, enforce_eager=True))
     rows["eager"] = measure(eager, args)

@@ -1,6 +1,6 @@
 """Batched sampling: grammar mask -> penalties -> temperature -> top-k / top-p / min-p -> sample, with per-request seeds.
 
-Sampling uses the exponential-race trick (argmax of probs / Exp(1) noise), so a seeded request draws its noise
+Sampling inverts each row's cumulative distribution at one uniform draw (`random_sample`); a seeded request draws it
 from its own generator and gets the same tokens whatever else is in the batch.
 """
 from dataclasses import dataclass, field
@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 NEG_INF = float("-inf")
+# tokens per chunk of random_sample's two-level draw
+SAMPLE_CHUNK = 256
 
 
 @dataclass(slots=True)
@@ -104,12 +106,34 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
+    """One token per row, drawn from the row's weights `probs` (>= 0, not necessarily normalised, not all zero) by
+    inverting their running sum at a uniform draw: first the chunk of SAMPLE_CHUNK tokens (the running sum of the
+    chunks' sums), then the token within that chunk, both in float64. One uniform number per row, from the request's
+    own generator where it has one, so a seeded request gets the same tokens whatever else is in the batch. (The
+    exponential race this replaced drew a number per token: 2 ms per row of a 152k vocabulary on a CPU core, 34 ms of
+    a 16-row step.) A token of weight 0 is never drawn."""
+    rows, vocab = probs.shape
+    uniform = torch.empty(rows, 1, dtype=torch.float64, device=probs.device)
+    if len(generators) < rows:
+        uniform.uniform_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return probs.div_(noise).argmax(dim=-1)
+        uniform[row].uniform_(generator=generator)
+    full = vocab - vocab % SAMPLE_CHUNK
+    sums = probs[:, :full].reshape(rows, -1, SAMPLE_CHUNK).sum(dim=-1, dtype=torch.float64)
+    if full < vocab:
+        sums = torch.cat([sums, probs[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64)], dim=1)
+    cumulative = sums.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    # below the total (u * total can round up to it), so the chunk found holds weight
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    chunk = torch.searchsorted(cumulative, target, right=True)
+    before = cumulative.gather(1, chunk) - sums.gather(1, chunk)
+    index = chunk * SAMPLE_CHUNK + torch.arange(SAMPLE_CHUNK, device=probs.device)
+    within = probs.gather(1, index.clamp(max=vocab - 1)).double().masked_fill_(index >= vocab, 0.0).cumsum(dim=-1)
+    # the rest of the target inside the chunk, kept below the chunk's own sum (summed in another order)
+    rest = (target - before).clamp(min=0.0)
+    rest = torch.minimum(rest, torch.nextafter(within[:, -1:], torch.zeros_like(rest)))
+    return index.gather(1, torch.searchsorted(within, rest, right=True)).squeeze(1)
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:

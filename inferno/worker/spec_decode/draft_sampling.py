@@ -15,5 +15,5 @@ def sample_drafts(logits: torch.Tensor, rows: list[tuple[SamplingState, list[int
     if md.all_greedy:
         return greedy.tolist(), None
     q = logits.softmax(dim=-1)
-    sampled = torch.where(md.temperature > 0, random_sample(q.clone(), md.generators), greedy)
+    sampled = torch.where(md.temperature > 0, random_sample(q, md.generators), greedy)
     return sampled.tolist(), q
