@@ -10,6 +10,8 @@ import torch
 NEG_INF = float("-inf")
 # tokens per chunk of random_sample's two-level draw
 SAMPLE_CHUNK = 256
+# the numbers of a row's most likely tokens among which top-p looks for its nucleus, in turn (then the whole row)
+NUCLEUS_CANDIDATES = (256, 4096)
 
 
 @dataclass(slots=True)
@@ -85,18 +87,67 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
-    vocab = logits.shape[1]
+    """Top-k, then top-p on what top-k kept, without sorting whole vocabularies: a full sort took 10 ms per row of a
+    152k vocabulary (90 ms for 16 rows), where the few tokens these keep come from `torch.topk`."""
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        kth_smallest_kept = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth_smallest_kept, NEG_INF)
+        logits = apply_top_k(logits, top_k)
     if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_logits.masked_fill_(drop, NEG_INF)
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+        logits = apply_top_p(logits, top_p)
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Each row's tokens below its k-th largest logit get -inf (k = 0 or k >= vocab: the row is left as it is; ties
+    with the k-th are kept)."""
+    rows = (top_k > 0) & (top_k < logits.shape[1])
+    if not bool(rows.any()):
+        return logits
+    k = top_k[rows].unsqueeze(1)
+    return on_rows(logits, rows, lambda sub: sub.masked_fill(
+        sub < sub.topk(int(k.max()), dim=-1).values.gather(1, k - 1), NEG_INF))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row keeps its most likely tokens until their probabilities sum to top_p (the token that crosses it
+    included; ties with the least likely kept token are kept). A row's nucleus is looked for among its 256 most likely
+    tokens, then 4096 (NUCLEUS_CANDIDATES); a row whose nucleus is larger still (a flat distribution) is sorted
+    whole."""
+    rows = top_p < 1
+    if not bool(rows.any()):
+        return logits
+    p = top_p[rows].unsqueeze(1)
+
+    def nucleus(sub: torch.Tensor) -> torch.Tensor:
+        log_total = sub.logsumexp(dim=-1, keepdim=True)
+        least_kept, todo, vocab = torch.empty_like(log_total), torch.arange(len(sub), device=sub.device), sub.shape[1]
+        for n in (*NUCLEUS_CANDIDATES, vocab):  # the rows whose nucleus is not among n candidates try more
+            rest = sub[todo]
+            ordered = rest.topk(n, dim=-1).values if n < vocab else rest.sort(dim=-1, descending=True).values
+            least_kept[todo], found = least_kept_logit(ordered, log_total[todo], p[todo])
+            todo = todo[~found]
+            if n >= vocab or len(todo) == 0:
+                break
+        return sub.masked_fill(sub < least_kept, NEG_INF)
+    return on_rows(logits, rows, nucleus)
+
+
+def least_kept_logit(ordered: torch.Tensor, log_total: torch.Tensor, top_p: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a row's largest logits in descending order: the least one top-p keeps (the mass ranked above it is
+    below p), and whether the row's nucleus ends among them (their last one is not kept)."""
+    probs = (ordered - log_total).exp()
+    kept = probs.cumsum(dim=-1) - probs < top_p
+    return ordered.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True), ~kept[:, -1]
+
+
+def on_rows(logits: torch.Tensor, rows: torch.Tensor, change) -> torch.Tensor:
+    """`change` (a function of a [n, vocab] tensor) applied to the rows of `logits` where the bool mask `rows`
+    holds, in a new tensor."""
+    if bool(rows.all()):
+        return change(logits)
+    logits = logits.clone()
+    logits[rows] = change(logits[rows])
+    return logits
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """`random_sample` (layers/sampler.py), the draw behind every sampled token and the rejection samplers' residuals:
 tokens follow the rows' weights across its chunks of SAMPLE_CHUNK tokens and a vocabulary's last, shorter chunk
 (chi-square at a false-alarm rate of 1e-3, the test's power shown on a wrong distribution), a token of weight 0 is never
-drawn, and a seeded row draws the same tokens alone or in a batch."""
+drawn, and a seeded row draws the same tokens alone or in a batch. Top-k and top-p, which look for the tokens they keep
+among a row's largest logits (`torch.topk`), keep what sorting the whole row keeps."""
 import torch
 
-from inferno.layers.sampler import SAMPLE_CHUNK, random_sample
+from inferno.layers.sampler import SAMPLE_CHUNK, apply_top_k_top_p, random_sample
 
 P_VALUE_THRESHOLD = 1e-3
 VOCAB = 2 * SAMPLE_CHUNK + 188  # two whole chunks and a short one
@@ -60,3 +61,32 @@ def test_a_seeded_row_draws_the_same_tokens_alone_and_in_a_batch():
     alone = seeded(weights[3:4], 0)
     assert seeded(weights, 3) == alone
     assert len(set(alone)) > 20  # draws, not one token over and over
+
+
+def reference_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The kept tokens by the definitions, from each row sorted whole (float64): the k largest logits, then the most
+    likely of those until the mass ranked above a token reaches p."""
+    kept = torch.zeros_like(logits, dtype=torch.bool)
+    for row, (k, p) in enumerate(zip(top_k.tolist(), top_p.tolist())):
+        order = logits[row].double().sort(descending=True).indices
+        order = order[:k] if 0 < k < len(order) else order
+        probs = logits[row, order].double().softmax(dim=-1)
+        kept[row, order[probs.cumsum(dim=-1) - probs < p]] = True
+    return kept
+
+
+def test_top_k_and_top_p_keep_what_sorting_the_whole_vocabulary_keeps():
+    """Rows whose nucleus ends among their 256 most likely tokens, among 4096, or only in the whole row (flat), with
+    and without top-k, top-p of 1 (off) too."""
+    torch.manual_seed(3)
+    vocab, rows = 10000, 24
+    spread = torch.tensor([8.0, 3.0, 1.5, 0.3]).repeat(rows // 4).unsqueeze(1)
+    logits = torch.randn(rows, vocab) * spread
+    top_k = torch.tensor([0, 50, 0, 300, 0, 5000] * (rows // 6))
+    top_p = torch.rand(rows) * 0.9 + 0.05
+    top_p[::7] = 1.0
+    kept = apply_top_k_top_p(logits, top_k, top_p).isfinite()
+    expected = reference_top_k_top_p(logits, top_k, top_p)
+    sizes = expected.sum(dim=-1)
+    assert (sizes < 256).any() and ((sizes > 256) & (sizes < 4096)).any() and (sizes > 4096).any()
+    assert torch.equal(kept, expected)
