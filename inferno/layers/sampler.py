@@ -3,6 +3,7 @@
 Sampling inverts each row's cumulative distribution at one uniform draw (`random_sample`); a seeded request draws it
 from its own generator and gets the same tokens whatever else is in the batch.
 """
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -45,16 +46,6 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None
 
 
-def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[len(rows), vocab] counts of each token id per row."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.long,
-                       device=device).view(len(rows), width)
-    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab_size]
-
-
 def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
     """Tokens a row's grammar does not allow get -inf (before any sampling parameter sees the logits)."""
     bitmask = bitmask.to(logits.device)
@@ -73,16 +64,21 @@ def allowed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    rows = torch.tensor(md.penalty_rows, dtype=torch.long, device=logits.device)
-    sub = logits[rows]
-    vocab = logits.shape[1]
-    output_counts = token_counts(md.output_token_ids, vocab, logits.device)
-    seen = (token_counts(md.prompt_token_ids, vocab, logits.device) > 0) | (output_counts > 0)
-    rep = md.repetition_penalty.unsqueeze(1)
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub -= md.frequency_penalty.unsqueeze(1) * output_counts
-    sub -= md.presence_penalty.unsqueeze(1) * (output_counts > 0)
-    logits[rows] = sub
+    """vLLM's penalties, in place, on each penalty row's tokens seen in its prompt or output only (the others are
+    left as they are: a penalty changes nothing there), so a step costs the rows' token counts, not passes over their
+    vocabularies: repetition divides a seen token's positive logit by the penalty and multiplies a negative one, then
+    frequency subtracts the penalty times the token's count in the output, presence the penalty once."""
+    for i, row in enumerate(md.penalty_rows):
+        output_counts = Counter(md.output_token_ids[i])
+        seen = sorted(set(md.prompt_token_ids[i]).union(output_counts))
+        index = torch.tensor(seen, dtype=torch.long, device=logits.device)
+        counts = torch.tensor([output_counts.get(t, 0) for t in seen], dtype=logits.dtype, device=logits.device)
+        values = logits[row, index]
+        repetition = md.repetition_penalty[i]
+        values = torch.where(values > 0, values / repetition, values * repetition)
+        values -= md.frequency_penalty[i] * counts
+        values -= md.presence_penalty[i] * (counts > 0)
+        logits[row, index] = values
     return logits
 
 
