@@ -90,3 +90,14 @@ def test_top_k_and_top_p_keep_what_sorting_the_whole_vocabulary_keeps():
     sizes = expected.sum(dim=-1)
     assert (sizes < 256).any() and ((sizes > 256) & (sizes < 4096)).any() and (sizes > 4096).any()
     assert torch.equal(kept, expected)
+
+
+def test_rows_of_nan_or_infinite_weights_still_get_a_token_id():
+    """A penalty that overflows a logit (repetition_penalty 5e-324 divides it to inf; softmax gives NaN) must not
+    end the request with an index error: the draw is arbitrary, the id valid."""
+    weights = torch.rand(4, VOCAB)
+    weights[0] = float("nan")
+    weights[1, 7] = float("inf")
+    weights[2, -1] = float("nan")
+    tokens = random_sample(weights, {})
+    assert ((tokens >= 0) & (tokens < VOCAB)).all()

@@ -173,14 +173,16 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     total = cumulative[:, -1:]
     # below the total (u * total can round up to it), so the chunk found holds weight
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    chunk = torch.searchsorted(cumulative, target, right=True)
+    # (the clamps keep a row of NaN weights, from an overflowing penalty say, to a token id: its draw is arbitrary)
+    chunk = torch.searchsorted(cumulative, target, right=True).clamp_(max=cumulative.shape[1] - 1)
     before = cumulative.gather(1, chunk) - sums.gather(1, chunk)
     index = chunk * SAMPLE_CHUNK + torch.arange(SAMPLE_CHUNK, device=probs.device)
     within = probs.gather(1, index.clamp(max=vocab - 1)).double().masked_fill_(index >= vocab, 0.0).cumsum(dim=-1)
     # the rest of the target inside the chunk, kept below the chunk's own sum (summed in another order)
     rest = (target - before).clamp(min=0.0)
     rest = torch.minimum(rest, torch.nextafter(within[:, -1:], torch.zeros_like(rest)))
-    return index.gather(1, torch.searchsorted(within, rest, right=True)).squeeze(1)
+    token = torch.searchsorted(within, rest, right=True).clamp_(max=SAMPLE_CHUNK - 1)
+    return index.gather(1, token).squeeze(1).clamp_(max=vocab - 1)
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
