@@ -3,8 +3,10 @@
 `kernels` package that transformers looks for). Imports vLLM and the standard library only.
 
 Loads the model once, then answers one JSON line per request line on stdin:
-  {"prompts": [[token ids], ...], "max_tokens": [n, ...]}  ->  {"elapsed_s": s, "token_ids": [[...], ...]}
-(greedy, EOS ignored; elapsed = the wall time of that `LLM.generate` call, measured here). An empty line ends it.
+  {"prompts": [[token ids], ...], "max_tokens": [n, ...], "temperature": t, "top_p": p}
+  ->  {"elapsed_s": s, "token_ids": [[...], ...]}
+(temperature 0, greedy, and top_p 1 unless given; EOS ignored; elapsed = the wall time of that `LLM.generate` call,
+measured here). An empty line ends it.
 Its own log (and its engine processes') goes to stderr; stdout carries the answers only, one line each, after a
 {"ready": ...} line.
 """
@@ -25,7 +27,8 @@ def main() -> None:
         if not line.strip():
             break
         request = json.loads(line)
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in request["max_tokens"]]
+        params = [SamplingParams(temperature=request.get("temperature", 0), top_p=request.get("top_p", 1),
+                                 max_tokens=n, ignore_eos=True) for n in request["max_tokens"]]
         prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -5,6 +5,8 @@ Workload (random token ids from the tokenizer's ordinary vocabulary, seed --seed
 caching, the same token ids for both engines):
 - offline: --num-prompts requests in one `LLM.generate` call, prompts uniform in [--min-input, --max-input] tokens,
   outputs in [--min-output, --max-output]; output tok/s = requested output tokens / the call's wall time;
+- offline sampled: the same requests sampled at temperature 0.8 with top_p 0.95 (what chat clients send: the OpenAI
+  APIs' default temperature is 1), so the samplers' cost over the vocabulary shows;
 - TTFT: one --ttft-prompt-len-token prompt, max_tokens 1: the call's wall time;
 - decode, batch 1: one 16-token prompt with max_tokens 1 and with --decode-output:
   tok/s = (decode-output - 1) / (time(decode-output) - time(1)).
@@ -31,11 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inferno import LLM
+from inferno import LLM, SamplingParams
 from results_md import publish  # benchmarks/ (scripts run from this folder)
 from throughput import greedy, machine_note, offline_requests, ordinary_ids
 
 PEER = Path(__file__).with_name("vllm_peer.py")
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the offline sampled shape's parameters
 PRELOADS = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so"]  # the latter in vLLM's env
 
 
@@ -63,10 +66,12 @@ class InfernoEngine:
         self.llm.wait_for_warm_up()
         self.pid = os.getpid()
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: dict | None = None
+                 ) -> tuple[float, list[list[int]]]:
+        params = [greedy(n) if sampling is None else SamplingParams(max_tokens=n, ignore_eos=True, **sampling)
+                  for n in max_tokens]
         start = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy(n) for n in max_tokens],
-                                 use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -89,8 +94,9 @@ class VllmEngine:
             raise RuntimeError(f"vLLM did not start (exit code {self.proc.wait()}); its log is above")
         self.version, self.pid = ready["version"], self.proc.pid
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], sampling: dict | None = None
+                 ) -> tuple[float, list[list[int]]]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens, **(sampling or {})}) + "\n")
         self.proc.stdin.flush()
         answer = json.loads(self.proc.stdout.readline())
         return answer["elapsed_s"], answer["token_ids"]
@@ -119,6 +125,7 @@ def make_workload(llm: LLM, args: argparse.Namespace) -> Workload:
 @dataclass(slots=True)
 class Round:
     offline_tps: float
+    sampled_tps: float
     ttft_s: float
     decode_tps: float
     idle_peer_cpu_s: float = 0.0
@@ -128,10 +135,12 @@ class Round:
 def run_round(engine, w: Workload, args: argparse.Namespace) -> Round:
     elapsed, tokens = engine.generate(w.prompts, w.output_lens)
     assert [len(t) for t in tokens] == w.output_lens, f"{engine.name}: ignore_eos must give exactly max_tokens"
+    sampled = engine.generate(w.prompts, w.output_lens, SAMPLED)[0]
     ttft = statistics.median(engine.generate([w.ttft_prompt], [1])[0] for _ in range(3))
     one = statistics.median(engine.generate([w.decode_prompt], [1])[0] for _ in range(3))
     full = engine.generate([w.decode_prompt], [args.decode_output])[0]
-    return Round(sum(w.output_lens) / elapsed, ttft, (args.decode_output - 1) / (full - one), tokens=tokens)
+    return Round(sum(w.output_lens) / elapsed, sum(w.output_lens) / sampled, ttft,
+                 (args.decode_output - 1) / (full - one), tokens=tokens)
 
 
 def rounds(engines: list, w: Workload, args: argparse.Namespace) -> list[list[Round]]:
@@ -147,13 +156,15 @@ def rounds(engines: list, w: Workload, args: argparse.Namespace) -> list[list[Ro
             r = run_round(engine, w, args)
             r.idle_peer_cpu_s = sum(tree_cpu_s(e.pid) for e in others) - sum(before)
             results[-1].append(r)
-            print(f"round {i + 1}/{args.repeats} {engine.name:>8}: offline {r.offline_tps:.1f} output tok/s, "
-                  f"TTFT {r.ttft_s * 1e3:.1f} ms, decode {r.decode_tps:.1f} tok/s", flush=True)
+            print(f"round {i + 1}/{args.repeats} {engine.name:>8}: offline {r.offline_tps:.1f} output tok/s "
+                  f"({r.sampled_tps:.1f} sampled), TTFT {r.ttft_s * 1e3:.1f} ms, decode {r.decode_tps:.1f} tok/s",
+                  flush=True)
     return results
 
 
 def table(results: list[list[Round]], names: list[str]) -> list[str]:
     rows = [("offline, output tok/s", lambda r: r.offline_tps, "{:.1f}", False),
+            ("offline sampled (temperature 0.8, top_p 0.95), output tok/s", lambda r: r.sampled_tps, "{:.1f}", False),
             ("TTFT, ms", lambda r: r.ttft_s * 1e3, "{:.1f}", True),
             ("decode, batch 1, tok/s", lambda r: r.decode_tps, "{:.1f}", False)]
     lines = [f"| shape | {names[0]} | {names[1]} | {names[1]} / {names[0]}, median of rounds (range; above 1: "
@@ -182,7 +193,8 @@ def report(args: argparse.Namespace, results: list[list[Round]], vllm: VllmEngin
              f"- Model: the HF folder `{model}` in {args.dtype} for both; KV cache {args.kv_cache_gib} GiB each, no "
              "prefix caching",
              f"- Workload: offline {args.num_prompts} requests, prompts {args.min_input}–{args.max_input} tokens, "
-             f"outputs {args.min_output}–{args.max_output} (random ids, seed {args.seed}, greedy, EOS ignored); "
+             f"outputs {args.min_output}–{args.max_output} (random ids, seed {args.seed}, greedy, and sampled at "
+             "temperature 0.8 with top_p 0.95; EOS ignored); "
              f"TTFT of a {args.ttft_prompt_len}-token prompt; decode {args.decode_output} tokens after a 16-token "
              "prompt",
              f"- {len(results)} rounds taking turns; greedy agreement on the first 16 tokens of the offline requests: "
