@@ -13,11 +13,13 @@ class HeadTrainingConfig:
     held_out_fraction: float = 0.1  # of the sequences (at least one), never trained on: the accuracy reported
     draft_vocab_size: int | None = 32768  # EAGLE: the head's LM head covers the most frequent tokens (None: all)
     seed: int = 0
+    unroll_steps: int = 3  # EAGLE: draft steps unrolled in training, each after the first on the head's own output
+    # (EAGLE-3's training-time test); 1: teacher forcing alone
 
     def __post_init__(self) -> None:
         if self.method not in ("medusa", "eagle"):
             raise ValueError(f"train-draft-heads trains method 'medusa' or 'eagle' heads, got {self.method!r}")
-        for name in ("num_heads", "epochs", "batch_size"):
+        for name in ("num_heads", "epochs", "batch_size", "unroll_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_layers < 0:

@@ -234,7 +234,8 @@ def run_calibrate(args: argparse.Namespace) -> None:
 
 def run_train_draft_heads(args: argparse.Namespace) -> None:
     config = HeadTrainingConfig(args.method, args.num_heads, args.num_layers, args.epochs, args.learning_rate,
-                                args.batch_size, args.held_out_fraction, args.draft_vocab_size or None, args.seed)
+                                args.batch_size, args.held_out_fraction, args.draft_vocab_size or None, args.seed,
+                                args.unroll_steps)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if (args.prompts is not None and args.sequences is not None) or not (args.prompts or args.sequences or args.texts):
         raise SystemExit("train-draft-heads: give --prompts (to generate continuations) or --sequences (saved ones), "
@@ -249,7 +250,8 @@ def run_train_draft_heads(args: argparse.Namespace) -> None:
         accuracy = train_draft_heads(llm, prompts, args.output, config, params, sequences, args.save_sequences)
     finally:
         llm.llm_engine.shutdown()
-    print(f"wrote {args.output}; held-out top-1 accuracy per head: {' '.join(f'{a:.3f}' for a in accuracy)}")
+    per = "draft depth" if args.method == "eagle" else "head"
+    print(f"wrote {args.output}; held-out top-1 accuracy per {per}: {' '.join(f'{a:.3f}' for a in accuracy)}")
 
 
 def add_train_draft_heads(commands) -> None:
@@ -285,6 +287,10 @@ def add_train_draft_heads(commands) -> None:
     train.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size,
                        help="EAGLE: the head's own LM head covers the most frequent tokens of the training data "
                             "(EAGLE-3's draft vocabulary, written as d2t: a cheaper draft); 0: the target's whole one")
+    train.add_argument("--unroll-steps", type=int, default=defaults.unroll_steps,
+                       help="EAGLE: draft steps unrolled in training, each after the first reading the head's own "
+                            "output as its drafts do (EAGLE-3's training-time test; costs as many passes); 1: "
+                            "teacher forcing alone")
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache for the generation")
     train.add_argument("--num-threads", type=int, default=None)

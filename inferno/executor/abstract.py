@@ -50,7 +50,8 @@ class Executor(ABC):
 
     def train_draft_heads(self, sequences: list[TrainingSequence], config: HeadTrainingConfig
                           ) -> tuple[MedusaFolder | EagleFolder, list[float]]:
-        """Speculative heads distilled from the model on `sequences`, and each head's held-out top-1 accuracy."""
+        """Speculative heads distilled from the model on `sequences`, and their held-out top-1 accuracy (Medusa: per
+        head; EAGLE: per draft depth)."""
         raise ValueError("training draft heads runs on one process: use tensor_parallel_size and "
                          "pipeline_parallel_size 1")
 

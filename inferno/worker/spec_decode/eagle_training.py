@@ -6,6 +6,13 @@ at p; its output is trained to be the target's feature at p + 1 (smooth L1) and,
 predict the target's distribution of the token at p + 2 (soft labels: the target's softmax at p + 1 over the draft
 vocabulary, renormalised on it; cross entropy, weighted 0.1 as in the paper).
 
+Teacher forcing alone leaves a head poor at continuing from its own output, which its drafts 2..k read instead of
+the target's features. So training unrolls `unroll_steps` draft steps (EAGLE-3's "training-time test",
+`EagleHead.forward_steps`): step j > 1 reads the head's own step j - 1 output one position back, attending to its
+earlier steps' keys as the proposer's passes do on the head's KV cache, with the same loss against the target at
+every step (step j's weighted STEP_DECAY^(j - 1), as EAGLE-3 does). The held-out top-1 is reported per draft depth:
+depth j is step j's (the real tokens read, the head's own features).
+
 The draft vocabulary is the `draft_vocab_size` most frequent tokens of the training sequences (EAGLE-3): the head's
 own LM head is those rows of the target's, frozen, and its drafts map back through `d2t` (most of a draft's cost on
 a CPU is the LM head: a Qwen2.5 vocabulary is 151,936 rows). Its decoder layer starts as a copy of the target's
@@ -35,6 +42,8 @@ NORMALISED = True  # train on embeddings and features divided by their RMS (`nor
 BF16_LM_HEAD = True  # the frozen LM heads' matmuls in bfloat16 (most of the cost; the head itself stays float32)
 WARMUP_FRACTION = 0.05  # of the steps: the learning rate rises linearly, then follows a cosine down to 0
 INIT_FROM_TARGET = True  # the head's layer starts as the target's last decoder layer (else at random)
+STEP_DECAY = 0.8  # the loss of unrolled draft step j is weighted STEP_DECAY ** (j - 1) (EAGLE-3's)
+EVAL_DEPTHS = 3  # the held-out top-1 is reported for draft depths 1..EVAL_DEPTHS
 
 PADDING, PROMPT, CONTINUATION = 0, 1, 2  # the kinds of positions: every one but padding is trained on; the held-out
 # accuracy is measured on the continuations' (what a head drafts; a text is all continuation)
@@ -79,7 +88,8 @@ def draft_vocabulary(sequences: list[TrainingSequence], vocab_size: int, size: i
 def train_eagle_head(runner: ModelRunner, sequences: list[TrainingSequence], config: HeadTrainingConfig,
                      base_model: str | None = None) -> tuple[EagleFolder, list[float]]:
     """The trained head (the target's embedding; its LM head, or the draft vocabulary's rows of it), and its top-1
-    agreement with the target's greedy token on held-out positions."""
+    agreement with the target's greedy token on held-out positions per draft depth 1..EVAL_DEPTHS (also in the
+    folder's config.json, `inferno_training`)."""
     train, test, train_sequences = eagle_examples(runner, sequences, config)
     layer_config = head_layer_config(runner.config)
     lm_head = frozen_linear(dense_lm_head(runner).cpu())
@@ -90,7 +100,14 @@ def train_eagle_head(runner: ModelRunner, sequences: list[TrainingSequence], con
     fit(head, lm_head, train, test, config, INIT_FROM_TARGET)
     accuracy = held_out_accuracy(head, lm_head, test)
     folder_config = eagle_config_json(layer_config, True, base_model, None if vocabulary is None else len(vocabulary))
-    return EagleFolder(folder_config, hf_tensors(head)), [accuracy]
+    folder_config["inferno_training"] = training_record(config, accuracy)
+    return EagleFolder(folder_config, hf_tensors(head)), accuracy
+
+
+def training_record(config: HeadTrainingConfig, accuracy: list[float]) -> dict:
+    """What the folder's config.json keeps of the training: the recipe and the held-out top-1 per draft depth."""
+    return {"unroll_steps": config.unroll_steps, "epochs": config.epochs, "learning_rate": config.learning_rate,
+            "held_out_top1_per_depth": [round(a, 4) for a in accuracy]}
 
 
 def frozen_linear(weight: torch.Tensor) -> torch.nn.Linear:
@@ -191,16 +208,22 @@ def logits_of(lm_head: torch.nn.Module, features: torch.Tensor) -> torch.Tensor:
     return lm_head(features.to(lm_head.weight.dtype)).float()
 
 
-def loss_of(head: EagleHead, draft_lm_head: torch.nn.Module, batch) -> torch.Tensor:
+def loss_of(head: EagleHead, draft_lm_head: torch.nn.Module, batch, steps: int = 1) -> torch.Tensor:
     """Smooth L1 to the target's feature at p + 1, and cross entropy against its softmax there (over the draft
-    vocabulary: renormalised on it)."""
+    vocabulary: renormalised on it), at each of `steps` unrolled draft steps (`EagleHead.forward_steps`: step j's
+    positions from j - 1 on), step j's weighted STEP_DECAY ** (j - 1)."""
     embeds, features, kinds, next_features = batch
-    kept = kinds != PADDING
-    out, target = head.forward_dense(embeds, features)[kept], next_features[kept]
     with torch.no_grad():
-        labels = logits_of(draft_lm_head, target).softmax(-1)
-    return (REGRESSION_WEIGHT * F.smooth_l1_loss(out, target)
-            + CLASSIFICATION_WEIGHT * F.cross_entropy(logits_of(draft_lm_head, out), labels))
+        labels = logits_of(draft_lm_head, next_features).softmax(-1)
+    loss = 0.0
+    for step, out in enumerate(head.forward_steps(embeds, features, steps)):
+        kept = kinds != PADDING
+        kept[:, :step] = False
+        out, target = out[kept], next_features[kept]
+        loss = loss + STEP_DECAY ** step * (
+            REGRESSION_WEIGHT * F.smooth_l1_loss(out, target)
+            + CLASSIFICATION_WEIGHT * F.cross_entropy(logits_of(draft_lm_head, out), labels[kept]))
+    return loss
 
 
 def warmup_cosine(total_steps: int):
@@ -236,33 +259,38 @@ def train_on(head: EagleHead, draft_lm_head: torch.nn.Module, lm_head: torch.nn.
     with tqdm(total=config.epochs * steps_per_epoch, desc="training an EAGLE head", dynamic_ncols=True) as bar:
         for _ in range(config.epochs):
             for batch in batches(train, per_step, generator):
-                loss = loss_of(head, draft_lm_head, batch)
+                loss = loss_of(head, draft_lm_head, batch, config.unroll_steps)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
                 schedule.step()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}")
-            bar.set_postfix(loss=f"{loss.item():.3f}",
-                            held_out_top1=f"{held_out_accuracy(head, lm_head, test, draft_lm_head):.2f}")
+            accuracy = held_out_accuracy(head, lm_head, test, draft_lm_head)
+            bar.set_postfix(loss=f"{loss.item():.3f}", held_out_top1_per_depth=" ".join(f"{a:.2f}" for a in accuracy))
 
 
 @torch.no_grad()
 def held_out_accuracy(head: EagleHead, lm_head: torch.nn.Module, test: list,
-                      draft_lm_head: torch.nn.Module | None = None) -> float:
-    """The fraction of held-out continuation positions where the head's top-1 is the target's own top-1 there
-    (teacher-forced: the first draft's greedy acceptance). `lm_head`: the target's; `draft_lm_head`: the
-    head's (default: its own, else the target's)."""
+                      draft_lm_head: torch.nn.Module | None = None, depths: int = EVAL_DEPTHS) -> list[float]:
+    """Per draft depth j = 1..`depths`, the fraction of held-out continuation positions (from j - 1 on) where the
+    head's top-1 at unrolled step j is the target's own top-1 there: depth 1 teacher-forced (the first draft's
+    greedy acceptance), deeper ones on the head's own features (a draft's acceptance where the drafts before it
+    were the sequence's tokens). `lm_head`: the target's; `draft_lm_head`: the head's (default: its own, else the
+    target's)."""
     draft_lm_head = draft_lm_head or head.lm_head or lm_head
-    correct = total = 0
+    correct, total = [0] * depths, [0] * depths
     for embeds, features, kinds, next_features in batches(test, 1):
-        kept = kinds == CONTINUATION
-        top1 = logits_of(draft_lm_head, head.forward_dense(embeds, features)[kept]).argmax(-1)
-        if head.draft_to_target is not None:
-            top1 = head.draft_to_target[top1]
-        correct += int((top1 == logits_of(lm_head, next_features[kept]).argmax(-1)).sum())
-        total += int(kept.sum())
-    return correct / max(total, 1)
+        labels = logits_of(lm_head, next_features).argmax(-1)
+        for step, out in enumerate(head.forward_steps(embeds, features, depths)):
+            kept = kinds == CONTINUATION
+            kept[:, :step] = False
+            top1 = logits_of(draft_lm_head, out[kept]).argmax(-1)
+            if head.draft_to_target is not None:
+                top1 = head.draft_to_target[top1]
+            correct[step] += int((top1 == labels[kept]).sum())
+            total[step] += int(kept.sum())
+    return [c / max(t, 1) for c, t in zip(correct, total)]
 
 
 def hf_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
