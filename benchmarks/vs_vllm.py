@@ -133,9 +133,13 @@ class Round:
 
 
 def run_round(engine, w: Workload, args: argparse.Namespace) -> Round:
-    elapsed, tokens = engine.generate(w.prompts, w.output_lens)
-    assert [len(t) for t in tokens] == w.output_lens, f"{engine.name}: ignore_eos must give exactly max_tokens"
-    sampled = engine.generate(w.prompts, w.output_lens, SAMPLED)[0]
+    def offline(sampling: dict | None) -> tuple[float, list[list[int]]]:
+        elapsed, tokens = engine.generate(w.prompts, w.output_lens, sampling)
+        assert [len(t) for t in tokens] == w.output_lens, f"{engine.name}: ignore_eos must give exactly max_tokens"
+        return elapsed, tokens
+
+    elapsed, tokens = offline(None)
+    sampled = offline(SAMPLED)[0]
     ttft = statistics.median(engine.generate([w.ttft_prompt], [1])[0] for _ in range(3))
     one = statistics.median(engine.generate([w.decode_prompt], [1])[0] for _ in range(3))
     full = engine.generate([w.decode_prompt], [args.decode_output])[0]

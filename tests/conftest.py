@@ -95,3 +95,11 @@ def assert_same_greedy(reference, outputs, logit_tolerance: float, min_compared:
         for ref_step, step in zip(ref.logprobs[:clear], out.logprobs[:clear]):
             for token, lp in ref_step.items():
                 assert abs(step[token].logprob - lp.logprob) < logit_tolerance
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The p-value of observed `counts` under the distribution `probs` (Pearson's chi-square, len(probs) - 1
+    degrees of freedom)."""
+    expected = probs * counts.sum()
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2), statistic / 2))

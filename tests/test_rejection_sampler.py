@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import chi_square_p_value
 from inferno.config import EngineConfig
 from inferno.core.spec_tree import SpecTree, tree_of_paths
 from inferno.layers.rejection_sampler import Drafts, rejection_sample
@@ -30,12 +31,6 @@ def metadata(num_rows: int, temperature: float = 1.0) -> SamplingMetadata:
                             top_k=None, top_p=None, min_p=None, generators={}, penalty_rows=[],
                             repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
                             prompt_token_ids=[], output_token_ids=[], banned_token_ids={}, max_num_logprobs=None)
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    statistic = ((counts - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2), statistic / 2))
 
 
 def emitted_tokens(drafts: list[list[int]], draft_probs: torch.Tensor | None) -> list[list[int]]:

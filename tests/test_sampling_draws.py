@@ -5,16 +5,11 @@ drawn, and a seeded row draws the same tokens alone or in a batch. Top-k and top
 among a row's largest logits (`torch.topk`), keep what sorting the whole row keeps."""
 import torch
 
+from conftest import chi_square_p_value
 from inferno.layers.sampler import SAMPLE_CHUNK, apply_top_k_top_p, random_sample
 
 P_VALUE_THRESHOLD = 1e-3
 VOCAB = 2 * SAMPLE_CHUNK + 188  # two whole chunks and a short one
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    statistic = ((counts - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2), statistic / 2))
 
 
 def draws(weights: torch.Tensor, rows: int, calls: int) -> torch.Tensor:
