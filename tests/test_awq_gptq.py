@@ -12,7 +12,7 @@ from inferno import LLM, SamplingParams
 from inferno.layers.quantization.groups import ZeroPointInt4
 from inferno.layers.quantization.int4 import Int4Linear, unpack_int4
 from inferno.layers.rotary import interleave_rotary_rows
-from inferno.worker import tile_switch
+from inferno.worker import tiles
 from test_architectures import hf_greedy, prompts
 from tiny_models import write_hf_model
 
@@ -129,7 +129,7 @@ def test_quantized_checkpoint_loads_its_integers_and_matches_hf(tmp_path, monkey
     hf_model, stored = write_quantized_llama(tmp_path, method, group_size)
     # no int4 tiles: their kernel (int8 activations, as the packed rows' kernel) would replace the dense float32 path
     # that the greedy tokens below are compared on
-    monkeypatch.setattr(tile_switch, "tile_weights", lambda model: None)
+    monkeypatch.setattr(tiles, "tile_weights", lambda layers: None)
     # quantization "auto"; a float32 cache: prefill reads its own K/V rounded to the cache's dtype
     llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
     model = llm.llm_engine.model_runner.model

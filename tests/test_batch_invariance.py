@@ -6,7 +6,6 @@ import pytest
 
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
-from inferno.worker import warm_up
 
 BUDGET = 192  # tokens per step: the long prompt is chunked, at other places alone than batched
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -14,9 +13,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2
 
 @pytest.fixture(scope="module")
 def native_llm():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(warm_up, "WARM_UP_DELAY", 600)  # the warm-up makes no tiles before the first pass
-        yield LLM(kv_cache_memory=64 << 20, max_num_batched_tokens=BUDGET)
+    return LLM(kv_cache_memory=64 << 20, max_num_batched_tokens=BUDGET)
 
 
 @pytest.fixture(scope="module")

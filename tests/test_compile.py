@@ -76,8 +76,8 @@ def test_compiled_decode_matches_eager(model, engine_args):
 @pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear),
                                                (T.Q8_0, Q8Linear)])
 def test_compiled_decode_runs_the_tiles_the_warm_up_made(tmp_path, qtype, layer_type):
-    """A GGUF of Q4_K (Q4_1, Q8_0) weights: the warm-up regroups them into tiles before it compiles, so the compiled
-    decode step calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and
+    """A GGUF of Q4_K (Q4_1, Q8_0) weights: the runner regroups them into tiles before the warm-up compiles, so the
+    compiled decode step calls the tiles' kernel; its tokens are the eager engine's (on the tiles too), at batch 1 and
     batched. Int4 and Q8 weights' codes stay in memory for `dequantize`: zeroed here, they must change no token."""
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype, tied=False))
     eager = LLM(path, kv_cache_memory=16 << 20, enable_prefix_caching=False, enforce_eager=True)
@@ -112,8 +112,6 @@ def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monke
     compile_decode_step = WarmUp._compile_decode_step
     monkeypatch.setattr(WarmUp, "_compile_decode_step",
                         lambda self: (release.wait(), compile_decode_step(self)))
-    # both engines make their tiles in their first step (not in the background, were either idle a while)
-    monkeypatch.setattr(warm_up, "WARM_UP_DELAY", 600)
     # int4 weights: their kernels quantize each layer's input to int8 (as the default model's do)
     eager = LLM(model, kv_cache_memory=16 << 20, dtype="float32", quantization="int4", enforce_eager=True)
     llm = LLM(model, kv_cache_memory=16 << 20, dtype="float32", quantization="int4", enforce_eager=False)

@@ -18,7 +18,7 @@ from inferno.loader.model_loader import load_model
 from inferno.worker.compile_cache import (precompiled_key, read_precompiled, stable_block_capacity, structure,
                                           write_precompiled)
 from inferno.worker.kv_cache import AUTO_KV_CACHE_FRACTION, total_memory
-from inferno.worker.tile_switch import TileSwitch
+from inferno.worker import tiles
 from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
 
@@ -168,19 +168,19 @@ def test_the_precompiled_key_follows_shapes_settings_and_options():
     assert precompiled_key(changed, options) == key
 
 
-def test_the_precompiled_key_is_made_before_the_tiles_and_names_the_layers_that_got_them(models):
-    """The warm-up looks the precompiled step up at start-up, before the tiles its graphs read exist: the key (the
-    model's structure without them, and the layers planned to have them) is the same once they are made, and another
-    where a layer did not get its tiles (tiling failed), since its graphs would read its stored blocks instead."""
+def test_the_precompiled_key_names_the_layers_that_got_their_tiles(models, monkeypatch):
+    """A layer whose tiling failed runs its stored blocks, so its graphs differ: the runner's list of tiled layers
+    leaves it out (tiling stops at the failure), and the key differs from the one of the model tiled whole."""
     model = load_model(str(models[0]), torch.float32, quantization="auto").model
-    switch = TileSwitch(model, enabled=True)
-    assert switch.planned and all(layer.tiles is None for layer in switch.planned)
-    before = precompiled_key(model, switch.tiled_names())
-    switch.tile_between_steps(0)
-    assert all(layer.tiles is not None for layer in switch.planned)
-    assert precompiled_key(model, switch.tiled_names()) == before
-    switch.planned[0].tiles = None
-    assert precompiled_key(model, switch.tiled_names()) != before
+    tiled = tiles.make_fast_layouts(model)
+    planned = tiles.planned_tiles(model)
+    assert len(planned) > 2 and len(tiled) == len(planned) and all(layer.tiles is not None for layer in planned)
+    again = load_model(str(models[0]), torch.float32, quantization="auto").model
+    failing = tiles.planned_tiles(again)[2]
+    monkeypatch.setattr(failing, "make_tiles", lambda: 1 / 0)
+    partly = tiles.make_fast_layouts(again)
+    assert failing.tiles is None and len(partly) == 2 and partly == tiled[:2]
+    assert precompiled_key(again, partly) != precompiled_key(model, tiled)
 
 
 def test_a_precompiled_file_cut_short_reads_as_none(tmp_path):

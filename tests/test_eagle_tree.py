@@ -1,6 +1,5 @@
 """EAGLE heads drafting token trees: the head's tree passes against a dense forward of each path, and speculation
 with a tree (the output is the target's; under chunked prefill and preemption, Medusa's tree too)."""
-import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -79,7 +78,7 @@ def tree_proposer(head, backend: str, tree: dict) -> EagleProposer:
                              embed_tokens=torch.nn.Embedding(VOCAB, HIDDEN), norm=torch.nn.Identity(),
                              lm_head=torch.nn.Linear(HIDDEN, VOCAB, bias=False))
     runner = SimpleNamespace(model=target, device=torch.device("cpu"), dtype=torch.float32, num_blocks=4,
-                             requests={}, tile_switch=SimpleNamespace(step=contextlib.nullcontext))
+                             requests={})
     spec = SpeculativeConfig.from_dict(eagle("head", num_speculative_tokens=TREE_K, **tree))
     return EagleProposer(head, runner, SimpleNamespace(block_size=16, attention_backend=backend,
                                                        speculative_config=spec))

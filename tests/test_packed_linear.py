@@ -1,6 +1,6 @@
 """Linear layers on oneDNN's prepacked weights (layers/packed_linear.py): bfloat16 with the same bits as `F.linear`,
 float32 equal to it up to rounding (oneDNN's kernel where F.linear calls MKL's), traceable by torch.compile, made by
-the runner's TileSwitch before the first pass."""
+the runner when it is built, before the first pass."""
 import pytest
 import torch
 import torch.nn.functional as F

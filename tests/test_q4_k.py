@@ -19,7 +19,6 @@ from inferno.layers.quantization.super_blocks import SuperBlockLinear
 from inferno.loader.gguf_file import GGUFFile
 from inferno.loader.model_loader import load_model
 from inferno.worker.huge_pages import tensor_span, weight_ranges
-from inferno.worker import warm_up
 from native_kernels import EACH_ISA_LEVEL, isa_level_outputs, isa_level_tiles_outputs, needs_kernels
 from test_kernels import assert_close_to, quantize_rows_like_q8
 from tiny_gguf import T, random_blocks, write_tiny_gguf
@@ -236,10 +235,9 @@ def test_a_weight_of_rows_not_a_multiple_of_16_is_not_tiled():
 @needs_kernels
 @pytest.mark.parametrize("qtype, layer_type", [(T.Q4_K, SuperBlockLinear), (T.Q4_1, Int4Linear)])
 def test_the_engine_runs_every_step_on_tiles_of_its_4_bit_weights(tmp_path, monkeypatch, qtype, layer_type):
-    """Every step runs the tiles, the first included (which makes them when the warm-up has not: never some layers
-    of a step on each, nor some steps on the stored blocks), so a second engine gives the same log-probabilities bit
+    """Every step runs the tiles, the first included (the runner makes them when it is built: never some layers of
+    a step on each, nor some steps on the stored blocks), so a second engine gives the same log-probabilities bit
     for bit; the stored blocks are no longer among the weights moved onto huge pages."""
-    monkeypatch.setattr(warm_up, "WARM_UP_DELAY", 600)  # the warm-up makes no tiles before the first step
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", qtype))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     prompts = ["The capital of France is", "def fibonacci(n):"]

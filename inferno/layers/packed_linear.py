@@ -10,7 +10,7 @@ The reordered weight is an opaque oneDNN tensor, which torch.compile cannot trac
 copies (ops.cpp, by the address of the weight each was made from) and the layers call `linear`: for a weight of a
 packable dtype on the CPU the operator `inferno::dense_linear`, whose arguments are the plain weight (its shape is
 all a compiled graph needs) and which runs on the weight's copy where `pack` made one; elsewhere plain `F.linear`.
-Copies are made by the runner's `TileSwitch` with the tiles, before the first pass, and dropped with their weight. A
+Copies are made with the tiles when the runner is built (worker/tiles.py), and dropped with their weight. A
 weight changed in place after that would not reach its copy: nothing in inferno does (the tiles of quantized weights
 are copies likewise)."""
 import weakref

@@ -24,7 +24,7 @@ from inferno.worker.request_state import CachedRequestState, update_states
 from inferno.worker.sampling_metadata import sampling_metadata
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
 from inferno.worker.spec_decode.verification import verify_drafts
-from inferno.worker.tile_switch import TileSwitch
+from inferno.worker.tiles import make_fast_layouts
 from inferno.worker.warm_up import WarmUp
 
 
@@ -98,11 +98,11 @@ class ModelRunner:
             max_model_len = engine_config.max_model_len or self.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_forward, engine_config.max_num_seqs,
                                               cdiv(max_model_len, self.block_size), self.scratch_block, device)
-        # every pass over the weights runs inside the switch: the first on the stored blocks, later ones on tiles (CPU)
-        self.tile_switch = TileSwitch(model, enabled=device.type == "cpu")
+        # every pass runs on the tiles (CPU): made now, before the first (worker/tiles.py)
+        tiled_names = make_fast_layouts(model) if device.type == "cpu" else []
         self.warm_up: WarmUp | None = None
         if compile_decode or device.type == "cpu":
-            self.warm_up = WarmUp(model, self.attention, self.tile_switch, compile_decode,
+            self.warm_up = WarmUp(model, self.attention, tiled_names, compile_decode,
                                   huge_pages=device.type == "cpu", scratch_block=self.scratch_block,
                                   block_size=self.block_size, hand_over=self._use_compiled_decode)
             self._step_threads = self.warm_up.threads
@@ -132,6 +132,10 @@ class ModelRunner:
             self._step_threads = self.warm_up.step_threads
             use_threads_on_this_thread(self._step_threads)
 
+    def _step_done(self) -> None:
+        if self.warm_up is not None:
+            self.warm_up.step_done()
+
     def _use_compiled_decode(self, compiled: CompiledDecode) -> None:
         """The warm-up's hand-over: the next decode step runs compiled (the same bits as eager)."""
         self.compiled_decode = compiled
@@ -141,15 +145,15 @@ class ModelRunner:
         """One step on this rank: its requests brought up to date, the flat batches planned (every rank alike, one
         micro-batch per pipeline stage), the forward pass; rank 0 samples and returns the output."""
         self._use_step_threads()
-        with self.tile_switch.step():
-            update_states(self.requests, sched, self.device)
-            plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size,
-                             self.attention.prefill_reads_new_kv, self.prefix_caching)
-            logits, pooling_hidden = self.forward_step(plan.step)
-            output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
-            if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)
-                normed = self.model.norm(pooling_hidden).float() if pooling_hidden is not None else None
-                output.pooler_output = pool(plan.pooling, normed)
+        update_states(self.requests, sched, self.device)
+        plan = plan_step(sched, self.requests, self.block_size, self.parallel.pp_size,
+                         self.attention.prefill_reads_new_kv, self.prefix_caching)
+        logits, pooling_hidden = self.forward_step(plan.step)
+        output = self.sample(plan, logits, sched.grammar_bitmask) if self.parallel.rank == 0 else None
+        if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)
+            normed = self.model.norm(pooling_hidden).float() if pooling_hidden is not None else None
+            output.pooler_output = pool(plan.pooling, normed)
+        self._step_done()
         return output
 
     def check_trees_supported(self, tree_width: int) -> None:
@@ -170,8 +174,9 @@ class ModelRunner:
     def run_step(self, step: StepInput) -> torch.Tensor | None:
         """Logits [step.num_logit_rows, vocab] on rank 0; None on the other ranks."""
         self._use_step_threads()
-        with self.tile_switch.step():
-            return self.forward_step(step)[0]
+        logits = self.forward_step(step)[0]
+        self._step_done()
+        return logits
 
     def forward_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [step.num_logit_rows, vocab] and the final hidden states of the pooling rows (before the final
@@ -209,9 +214,7 @@ class ModelRunner:
         return hidden
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's output hidden states for one flat batch (`hidden`: the previous stage's); inside a pass
-        (`tile_switch.step()`), which `execute_model` and `run_step` hold."""
-        assert self.tile_switch.in_step, "a forward pass outside tile_switch.step() could switch weights half-way"
+        """This stage's output hidden states for one flat batch (`hidden`: the previous stage's)."""
         decodes = mb.decodes
         lora = self._lora_mapping(mb)
         plain_decodes = not mb.prefills and not mb.tree_hidden_keys and hidden is None  # what fast steps run

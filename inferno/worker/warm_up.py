@@ -1,7 +1,6 @@
 """A runner's background warm-up, which brings it to its steady-state speed without holding up the first token: the
-quantized weights regrouped into tiles (through the runner's TileSwitch: here if no pass comes in the first second,
-else the first pass makes them), the decode step compiled (CPU), then the weights moved onto huge pages (CPU);
-docs/warm-up.md.
+decode step compiled (CPU; on the tiles the runner made when it was built, worker/tiles.py), then the weights moved
+onto huge pages (CPU); docs/warm-up.md.
 
 Its life cycle: the ModelRunner makes it and `start`s it; `wait` blocks until it is over (`LLM.wait_for_warm_up`);
 `stop` ends it where it is, which the interpreter's exit does for every one still running (`stop_warm_ups`)."""
@@ -24,14 +23,13 @@ from inferno.worker.compile_cache import (clear_compile_cache, code_digest, comp
 from inferno.worker.compiled_decode import (CompiledDecode, compile_graphs, compile_options, import_compiler,
                                            load_graphs, warm_up_graphs)
 from inferno.worker.huge_pages import move_weights_to_huge_pages
-from inferno.worker.tile_switch import TileSwitch
 
 logger = logging.getLogger("inferno")
 
 # the warm-up thread's niceness while it copies the weights to huge pages (not while it compiles: see step_threads)
 WARM_UP_NICENESS = 10
 # seconds the warm-up waits for the first step to be over (the first token of `inferno generate`: tracing holds the
-# GIL, and the copy to huge pages takes memory bandwidth), then starts anyway (with the tiles, if no step came)
+# GIL, and the copy to huge pages takes memory bandwidth), then starts anyway
 WARM_UP_DELAY = 1.0
 # seconds the serving thread may wait for the GIL while the warm-up compiles (Python's default is 5 ms)
 WARM_UP_SWITCH_INTERVAL = 0.0002
@@ -50,10 +48,10 @@ class WarmUp:
     OpenMP threads spin between operators), a compile never finished under steady load, and held the GIL the serving
     thread waited for."""
 
-    def __init__(self, model: torch.nn.Module, attention, tile_switch: TileSwitch, compile_decode: bool,
+    def __init__(self, model: torch.nn.Module, attention, tiled_names: list[str], compile_decode: bool,
                  huge_pages: bool, scratch_block: int | None, block_size: int,
                  hand_over: Callable[[CompiledDecode], None]):
-        self.model, self.attention, self.tile_switch = model, attention, tile_switch
+        self.model, self.attention, self.tiled_names = model, attention, tiled_names
         self.compile_decode, self.huge_pages = compile_decode, huge_pages
         self.scratch_block, self.block_size = scratch_block, block_size
         self.hand_over = hand_over
@@ -61,6 +59,7 @@ class WarmUp:
         self.threads = torch.get_num_threads()  # the engine's
         self.step_threads = self.threads  # what steps run on now
         self._thread = threading.Thread(target=self._run, name="inferno-warm-up", daemon=True)
+        self._first_step_done = threading.Event()
 
     def start(self) -> None:
         """Before the first step: the precompiled key's parts that describe the model are taken now, as a step
@@ -76,6 +75,11 @@ class WarmUp:
         self._thread.join(timeout)
         return self.compiled
 
+    def step_done(self) -> None:
+        """The runner's word that a step is over (the first one lets the warm-up's heavy work start)."""
+        if not self._first_step_done.is_set():  # once: Event.set takes a lock
+            self._first_step_done.set()
+
     def stop(self) -> None:
         """End the thread where it is, for the interpreter's exit (`stop_thread`)."""
         stop_thread(self._thread)
@@ -84,8 +88,8 @@ class WarmUp:
         """The copy to huge pages at a lower OS priority (Linux); the decode step on a core of its own."""
         try:
             if self.compile_decode:
-                self._compile_decode_step()  # tiles the weights when its graphs need them
-            self.tile_switch.tile_between_steps(WARM_UP_DELAY)
+                self._compile_decode_step()
+            self._first_step_done.wait(WARM_UP_DELAY)
             lower_thread_priority()
             if self.huge_pages:
                 try:
@@ -130,7 +134,7 @@ class WarmUp:
         compiled (once more from scratch where an entry of inductor's caches broke it) and saved.
 
         The precompiled graphs are looked up and loaded at once, while the first step runs; their first calls (and
-        a compile's trace) wait for the tiles they read, which the tile switch makes between two passes."""
+        a compile's trace) wait for it to end (or WARM_UP_DELAY)."""
         start = time.perf_counter()
         if COMPILER_IMPORT is not None:
             COMPILER_IMPORT.join()
@@ -140,9 +144,7 @@ class WarmUp:
         logger.info("decode step: looking for its precompiled graphs (inductor loaded in %.2f s, key made in %.2f s)",
                     options_made - start, time.perf_counter() - options_made)
         loaded = self._load_graphs(path, folder)
-        self.tile_switch.tile_between_steps(WARM_UP_DELAY)
-        if (tiled := self._precompiled_path(folder, options)) != path:  # tiling failed: other graphs
-            path, loaded = tiled, self._load_graphs(tiled, folder)
+        self._first_step_done.wait(WARM_UP_DELAY)
         if loaded is not None:
             try:
                 return self._warm_up_loaded(loaded, path)
@@ -164,9 +166,9 @@ class WarmUp:
     def _precompiled_path(self, folder: Path, options: dict) -> Path:
         """Keyed by what the trace reads: the model and its attention backend (the engine's options as they hold
         them: the KV caches' dtype and capacity, the backend, the quantized layers), the layers that run on tiles
-        (the plan: the tiles need not exist yet) and inductor's options."""
+        and inductor's options."""
         model, attention = self._structure
-        return precompiled_path(folder, precompiled_key(model, attention, options, self.tile_switch.tiled_names()))
+        return precompiled_path(folder, precompiled_key(model, attention, options, self.tiled_names))
 
     def _compile_and_warm_up(self) -> CompiledDecode:
         scratch = (self.model, self.attention, self.scratch_block, self.block_size)

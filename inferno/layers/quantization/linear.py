@@ -70,10 +70,9 @@ class QuantizedLinear(nn.Module):
 
     def tile(self) -> None:
         """Regroup the weight into tiles (every value kept). Their kernel is faster at every batch size, but the copy
-        takes time (about 0.3 s per GB) and memory, so the model runner makes them, not the loader, before its first
-        pass over the weights: its background warm-up if the engine is idle a while, else the first pass
-        (worker/tile_switch.py: the forward reads the tiles as soon as they are set). The stored weight stays for `dequantize`, and the forward no longer reads it
-        (`unread_buffers`)."""
+        takes time (about 0.3 s per GB) and memory, so the model runner makes them, not the loader, when it is built
+        (worker/tiles.py: a runner only, not a model loaded for its weights). The stored weight stays for
+        `dequantize`, and the forward no longer reads it (`unread_buffers`)."""
         if self.can_tile and self.tiles is None:
             self.tiles = self.make_tiles()
 

@@ -63,8 +63,7 @@ class DraftModelProposer:
         out = DraftOutput()
         if not wanted:
             return out
-        with self.runner.tile_switch.step():  # the k passes of a proposal on the same weights' kernels
-            self._propose(wanted, out)
+        self._propose(wanted, out)
         return out
 
     def _propose(self, wanted: list[tuple[DraftingRequest, int]], out: DraftOutput) -> None:

@@ -40,7 +40,7 @@ from inferno.worker.spec_decode.drafting_request import DraftingRequest
 from inferno.worker.spec_decode.eagle_tree import DraftTree, DynamicTree, StaticTree
 from inferno.worker.spec_decode.proposer_cache import ProposerCache, live_caches
 from inferno.worker.spec_decode.target_hidden import TargetHiddenStates
-from inferno.worker.tile_switch import pack_weights
+from inferno.worker.tiles import pack_weights
 
 
 def build_eagle_head(folder: EagleFolder, target: ModelConfig) -> EagleHead:
@@ -65,7 +65,7 @@ def head_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 def load_eagle_head(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The head on `device` in `head_dtype`; on the CPU its weights get their oneDNN copies now (the target's get
-    theirs from the runner's TileSwitch): a draft pass then streams them ~4 times faster than bfloat16 `F.linear`,
+    theirs when the runner is built, worker/tiles.py): a draft pass then streams them ~4 times faster than bfloat16 `F.linear`,
     which reorders the plain weight on every call."""
     head = build_eagle_head(read_eagle_folder(path), target).to(device=device, dtype=head_dtype(dtype, device))
     head.rotary.cos_sin_cache = head.rotary.cos_sin_cache.to(device)
@@ -117,15 +117,13 @@ class EagleProposer:
             valid = min(cache.num_valid_positions(req, self.block_size) if cache else 0, req.num_tokens - 2)
             chunks.append(TokenChunk(req.token_ids[valid + 1:], valid, req.block_ids))
             features.append(self.runner.target_hidden.take(req.request_id, valid, req.num_tokens - 1, template))
-        # the target's embedding, norm and head: their weights may switch to tiles between passes
-        with self.runner.tile_switch.step():
-            roots = self._pass(chunks, self.target.norm(torch.cat(features)))
-            trees = [i for i, (req, _) in enumerate(wanted) if req.tree and self.spec.speculative_token_tree]
-            chains = [i for i in range(len(wanted)) if i not in trees]
-            if chains:
-                self._draft_chains([wanted[i] for i in chains], roots[chains], out)
-            if trees:
-                self._draft_trees([wanted[i] for i in trees], roots[trees], out)
+        roots = self._pass(chunks, self.target.norm(torch.cat(features)))
+        trees = [i for i, (req, _) in enumerate(wanted) if req.tree and self.spec.speculative_token_tree]
+        chains = [i for i in range(len(wanted)) if i not in trees]
+        if chains:
+            self._draft_chains([wanted[i] for i in chains], roots[chains], out)
+        if trees:
+            self._draft_trees([wanted[i] for i in trees], roots[trees], out)
         for req, _ in wanted:
             self.cached[req.request_id] = ProposerCache(req.state, list(req.token_ids), list(req.block_ids),
                                                         req.num_preemptions, tokens_ahead=1)

@@ -41,8 +41,7 @@ def record_hidden_states(runner: ModelRunner, sequences: list[TrainingSequence])
                          f"blocks of {runner.block_size}")
     hidden = []
     for batch in prefill_batches([s.token_ids for s in sequences], runner.block_size, runner.num_blocks):
-        with runner.tile_switch.step():
-            out = runner.model.norm(runner.forward(prefill_step(batch, runner.block_size).micro_batches[0]))
+        out = runner.model.norm(runner.forward(prefill_step(batch, runner.block_size).micro_batches[0]))
         hidden += out.float().split([len(ids) for ids in batch])
     return hidden
 
@@ -77,7 +76,7 @@ def head_examples(hidden: torch.Tensor, sequence: TrainingSequence, num_heads: i
 def dense_weight(runner: ModelRunner, linear: torch.nn.Module, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear layer of the target as a float32 weight [out, in] and bias [out] (zeros where it has none), on the
     CPU, whatever its weights' format (quantized ones included): its outputs for the unit vectors and for zero."""
-    with torch.inference_mode(), runner.tile_switch.step():
+    with torch.inference_mode():
         inputs = torch.cat([torch.eye(in_features), torch.zeros(1, in_features)])
         out = linear(inputs.to(runner.dtype).to(runner.device)).float().cpu()
     bias = out[-1]

@@ -70,9 +70,8 @@ class MedusaProposer:
         out = DraftOutput()
         if not wanted:
             return out
-        with self.runner.tile_switch.step():  # the target's head: its weights may switch to tiles between passes
-            normed = self.target.norm(torch.stack(hidden))
-            logits = self.heads.logits(normed, self.target.lm_head, max(k for _, k in wanted))
+        normed = self.target.norm(torch.stack(hidden))
+        logits = self.heads.logits(normed, self.target.lm_head, max(k for _, k in wanted))
         trees = {i for i, (req, _) in enumerate(wanted) if req.tree and self.token_tree is not None}
         for i in trees:
             self._propose_tree(wanted[i][0], logits[:wanted[i][1], i], out)

@@ -1,15 +1,11 @@
-"""The tile switch: every pass over a runner's weights runs all its layers on tiles, its first included, whenever the
-warm-up would make them. A draft model's runner obeys it like the target's (a proposal of k passes is one pass over
-its weights), so speculative decoding with a draft model and seeded sampling gives the same drafts, draft
-distributions and tokens in every run."""
-import threading
-
+"""Tiles made with the runner: every pass over a runner's weights runs all its layers on tiles, its first included. A
+draft model's runner makes its own like the target's, so speculative decoding with a draft model and seeded sampling
+gives the same drafts, draft distributions and tokens in every run."""
 import torch
 
 from conftest import assert_all_blocks_free
 from inferno import LLM, SamplingParams
 from inferno.layers.quantization.linear import QuantizedLinear
-from inferno.worker import warm_up
 from native_kernels import needs_kernels
 from tiny_gguf import T, write_tiny_gguf
 
@@ -17,10 +13,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three facts about t
 PARAMS = [SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=16, ignore_eos=True) for seed in (1, 2, 3)]
 
 
-def speculative_run(path: str, warm_up_mid_proposal: bool):
+def speculative_run(path: str):
     """The tokens of a draft-model run; per proposal, its drafts and their distributions, and per pass in it, which of
-    the draft's layers ran on tiles. `warm_up_mid_proposal`: in the middle of the first proposal (after its first
-    pass), the warm-up's tiling is started on another thread and given half a second."""
+    the draft's layers ran on tiles."""
     llm = LLM(path, kv_cache_memory=8 << 20, enforce_eager=True,
               speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3})
     proposer = llm.llm_engine.executor.worker.proposer
@@ -36,12 +31,7 @@ def speculative_run(path: str, warm_up_mid_proposal: bool):
         return out
 
     def recording_forward(mb, hidden=None):
-        passes = proposals[-1][1]
-        if warm_up_mid_proposal and len(proposals) == 1 and len(passes) == 1:
-            tiling = threading.Thread(target=runner.tile_switch.tile_between_steps, args=(0,))
-            tiling.start()
-            tiling.join(0.5)  # had it tiled now, the passes below would run on tiles
-        passes.append([m.tiles is not None for m in layers])
+        proposals[-1][1].append([m.tiles is not None for m in layers])
         return forward(mb, hidden)
 
     proposer.propose, runner.forward = recording_propose, recording_forward
@@ -51,11 +41,10 @@ def speculative_run(path: str, warm_up_mid_proposal: bool):
 
 
 @needs_kernels
-def test_draft_model_speculation_with_seeded_sampling_is_reproducible(tmp_path, monkeypatch):
-    monkeypatch.setattr(warm_up, "WARM_UP_DELAY", 600)  # the warm-up makes no tiles before the first pass
+def test_draft_model_speculation_with_seeded_sampling_is_reproducible(tmp_path):
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf", T.Q4_1))  # int4 (tiles round unlike the rows); its own draft
-    tokens, proposals = speculative_run(path, warm_up_mid_proposal=True)
-    again, proposals_again = speculative_run(path, warm_up_mid_proposal=False)
+    tokens, proposals = speculative_run(path)
+    again, proposals_again = speculative_run(path)
     for run in (proposals, proposals_again):
         assert len(run) > 2 and len(run[0][1]) >= 2  # the first proposal: more than one pass
         assert all(all(map(all, passes)) for _, passes in run)
