@@ -423,6 +423,29 @@ def test_features_recorded_in_batched_prefills_are_those_of_each_sequence_alone(
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+def test_training_batches_are_made_from_one_float16_copy_of_the_features(llm):
+    """The recorded features stay float16, one copy per sequence (a sixth of the float32 inputs, targets and their
+    normalised copies once kept); a batch holds per sequence the target's embeddings of the tokens at p + 1 and its
+    features at p and p + 1, in float32, divided by the scales, padded after the shorter sequence."""
+    llm.llm_engine.reset_prefix_cache()
+    runner = llm.llm_engine.executor.model_runner
+    sequences = [TrainingSequence(list(range(10, 50)), 5), TrainingSequence(list(range(60, 80)), 3)]
+    features = record_hidden_states(runner, sequences)
+    assert [f.dtype for f in features] == [head_training.FEATURE_DTYPE] * 2 == [torch.float16] * 2
+    examples = [eagle_training.Example.of(f, s) for f, s in zip(features, sequences)]
+    data = eagle_training.TrainingData(examples, eagle_training.embedder(runner), 2.0, 4.0)
+    embeds, at_p, kinds, at_next = next(data.batches(2))
+    assert embeds.shape == at_p.shape == at_next.shape == (2, 39, runner.config.hidden_size)
+    assert embeds.dtype == at_p.dtype == at_next.dtype == torch.float32
+    with torch.inference_mode():
+        expected = runner.model.embed_tokens(torch.arange(61, 80)).float()
+    assert torch.equal(embeds[1, :19], expected / 2.0) and not embeds[1, 19:].any()
+    assert torch.equal(at_p[0], features[0][:-1].float() / 4.0)
+    assert torch.equal(at_next[1, :19], features[1][1:].float() / 4.0) and not at_next[1, 19:].any()
+    assert kinds[0, :3].eq(eagle_training.PROMPT).all() and kinds[0, 3:].eq(eagle_training.CONTINUATION).all()
+    assert kinds[1, 19:].eq(eagle_training.PADDING).all()
+
+
 def test_saved_sequences_with_token_ids_outside_the_vocabulary_are_refused(tmp_path):
     path = tmp_path / "sequences.jsonl"
     write_sequences(path, [TrainingSequence([1, 2, 3], 1)])

@@ -18,10 +18,17 @@ own LM head is those rows of the target's, frozen, and its drafts map back throu
 a CPU is the LM head: a Qwen2.5 vocabulary is 151,936 rows). Its decoder layer starts as a copy of the target's
 last one (`INIT_FROM_TARGET`; the fc passes the feature through), or at random. The target is frozen; the head is
 trained with AdamW (warm-up, then cosine decay), in float32 on the CPU, on inputs and targets divided by their RMS,
-the scales folded into its weights at the end."""
+the scales folded into its weights at the end.
+
+The data stays as compact as it was recorded: per sequence its tokens and the target's features in float16
+(`head_training.FEATURE_DTYPE`), one copy, from which each batch is made (the embeddings looked up, the features at p
+and p + 1 as float32, divided by their scales): 3 KB a position on a 1536-wide model, where the float32 inputs,
+targets and normalised copies of them all kept took 37."""
 import math
 import random
 from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,29 +56,74 @@ PADDING, PROMPT, CONTINUATION = 0, 1, 2  # the kinds of positions: every one but
 # accuracy is measured on the continuations' (what a head drafts; a text is all continuation)
 
 
-def sequence_example(runner: ModelRunner, features: torch.Tensor, sequence: TrainingSequence
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For every position p = 0..n-2: the embeddings of the tokens at p + 1, the features at p, the kinds of the
-    positions (PROMPT, CONTINUATION: from the prompt's last token but one on; PADDING in a batch) and the target
-    features at p + 1 (its distribution of the token at p + 2 is the label)."""
-    ids = torch.tensor(sequence.token_ids)
-    with torch.inference_mode():
-        embeds = runner.model.embed_tokens(ids[1:].to(runner.device)).float().cpu()
-    kinds = torch.full((len(ids) - 1,), PROMPT, dtype=torch.int8)
-    kinds[max(sequence.num_prompt_tokens - 2, 0):] = CONTINUATION
-    return embeds.clone(), features[:-1].clone(), kinds, features[1:].clone()
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One sequence: at every position p = 0..n-2 the head reads the embedding of the token at p + 1 and the feature
+    at p, and learns the feature at p + 1 (the target's distribution of the token at p + 2 is the label)."""
+    ids: torch.Tensor  # [n] the tokens
+    features: torch.Tensor  # [n, hidden] the target's (FEATURE_DTYPE)
+    kinds: torch.Tensor  # [n - 1] int8: PROMPT, or CONTINUATION from the prompt's last token but one on
+
+    @classmethod
+    def of(cls, features: torch.Tensor, sequence: TrainingSequence) -> "Example":
+        kinds = torch.full((len(sequence.token_ids) - 1,), PROMPT, dtype=torch.int8)
+        kinds[max(sequence.num_prompt_tokens - 2, 0):] = CONTINUATION
+        return cls(torch.tensor(sequence.token_ids), features, kinds)
+
+
+class TrainingData:
+    """Examples as padded float32 batches [B, T, ...]: the embeddings (`embed`: token ids -> float32 [n, hidden])
+    and the features divided by `embed_scale` and `feature_scale`, made as they are read."""
+
+    def __init__(self, examples: list[Example], embed: Callable[[torch.Tensor], torch.Tensor],
+                 embed_scale: float = 1.0, feature_scale: float = 1.0):
+        self.examples, self.embed = examples, embed
+        self.embed_scale, self.feature_scale = embed_scale, feature_scale
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def longest(self) -> int:
+        return max(len(e.kinds) for e in self.examples)
+
+    def batches(self, size: int, generator: torch.Generator | None = None, count: int | None = None
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(embeddings, features at p, kinds, features at p + 1) of `size` examples at a time (in a random order with
+        `generator`; the first `count` examples only), padded after each sequence (PADDING: causal attention never
+        reaches it)."""
+        order = torch.randperm(len(self), generator=generator).tolist() if generator else range(len(self))
+        order = list(order)[:count]
+        for start in range(0, len(order), size):
+            group = [self.examples[i] for i in order[start:start + size]]
+            parts = [(self.embed(e.ids[1:]) / self.embed_scale, e.features[:-1].float() / self.feature_scale,
+                      e.kinds, e.features[1:].float() / self.feature_scale) for e in group]
+            yield tuple(torch.nn.utils.rnn.pad_sequence([p[j] for p in parts], batch_first=True) for j in range(4))
+
+    def scaled(self, embed_scale: float, feature_scale: float) -> "TrainingData":
+        return TrainingData(self.examples, self.embed, embed_scale, feature_scale)
+
+
+def embedder(runner: ModelRunner) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's embedding of token ids, float32 on the CPU (normal tensors: inference-mode ones cannot take part
+    in autograd)."""
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            out = runner.model.embed_tokens(ids.to(runner.device)).float().cpu()
+        return out.clone()
+    return embed
 
 
 def eagle_examples(runner: ModelRunner, sequences: list[TrainingSequence], config: HeadTrainingConfig
-                   ) -> tuple[list, list, list[TrainingSequence]]:
-    """The training and the held-out examples (`sequence_example`), and the training sequences."""
+                   ) -> tuple[TrainingData, TrainingData, list[TrainingSequence]]:
+    """The training and the held-out examples, and the training sequences."""
     usable = usable_sequences(runner, sequences, "an EAGLE head")
-    features = [f.cpu() for f in record_hidden_states(runner, usable)]
-    pairs = list(zip(features, usable))
+    examples = [Example.of(f, s) for f, s in zip(record_hidden_states(runner, usable), usable)]
+    pairs = list(zip(examples, usable))
     random.Random(config.seed).shuffle(pairs)
     num_held_out = max(1, round(config.held_out_fraction * len(pairs)))
-    examples = [sequence_example(runner, f, s) for f, s in pairs]
-    return examples[num_held_out:], examples[:num_held_out], [s for _, s in pairs[num_held_out:]]
+    embed = embedder(runner)
+    return (TrainingData([e for e, _ in pairs[num_held_out:]], embed),
+            TrainingData([e for e, _ in pairs[:num_held_out]], embed), [s for _, s in pairs[num_held_out:]])
 
 
 def draft_vocabulary(sequences: list[TrainingSequence], vocab_size: int, size: int | None) -> torch.Tensor | None:
@@ -152,13 +204,13 @@ def init_from_target(head: EagleHead, runner: ModelRunner) -> None:
 
 
 @torch.no_grad()
-def match_residual_scale(head: EagleHead, examples: list) -> None:
+def match_residual_scale(head: EagleHead, examples: TrainingData) -> None:
     """Scales what a layer copied from the target adds to its input (the o and down projections) to fit the
     examples: the target's last layer adds to a residual stream far larger than the normalised features the head
     reads (its input norm hid that), so copied as is its additions swamp them. The scale is the least-squares one
-    taking the head's input (the feature at p) towards the target's feature at p + 1."""
+    taking the head's input (the feature at p) towards the target's feature at p + 1, over the first 16 examples."""
     added = target = 0.0
-    for embeds, features, kinds, next_features in batches(examples, 1):
+    for embeds, features, kinds, next_features in examples.batches(1, count=16):
         kept = kinds != PADDING
         x = head.fc(torch.cat([embeds, features], -1))[kept]
         delta = head.forward_dense(embeds, features)[kept] - x
@@ -169,23 +221,19 @@ def match_residual_scale(head: EagleHead, examples: list) -> None:
     mlp.down_proj.weight *= scale
 
 
-def batches(examples: list, size: int, generator: torch.Generator | None = None):
-    """Examples padded into [B, T, ...] batches (causal attention: padding after a sequence never reaches it)."""
-    order = torch.randperm(len(examples), generator=generator).tolist() if generator else range(len(examples))
-    order = list(order)
-    for start in range(0, len(order), size):
-        group = [examples[i] for i in order[start:start + size]]
-        yield tuple(torch.nn.utils.rnn.pad_sequence([g[j] for g in group], batch_first=True) for j in range(4))
+def rms(tensors: Iterator[torch.Tensor]) -> float:
+    squares = count = 0
+    for t in tensors:
+        squares, count = squares + float(t.double().square().sum()), count + t.numel()
+    return (squares / count) ** 0.5
 
 
-def rms(tensors: list[torch.Tensor]) -> float:
-    return (sum(float(t.double().square().sum()) for t in tensors) / sum(t.numel() for t in tensors)) ** 0.5
-
-
-def normalised(examples: list, embed_scale: float, feature_scale: float) -> list:
-    """The examples with embeddings and features divided by their RMS: the head trains on unit-scale inputs (raw,
-    Qwen's post-norm features are ~400 times the embeddings, which the head then cannot see)."""
-    return [(e / embed_scale, f / feature_scale, kept, n / feature_scale) for e, f, kept, n in examples]
+def normalised(data: TrainingData) -> TrainingData:
+    """The examples with embeddings and features divided by their RMS (the features at p over every position but
+    each sequence's last): the head trains on unit-scale inputs (raw, Qwen's post-norm features are ~400 times the
+    embeddings, which the head then cannot see)."""
+    return data.scaled(rms(data.embed(e.ids[1:]) for e in data.examples),
+                       rms(e.features[:-1] for e in data.examples))
 
 
 @torch.no_grad()
@@ -233,32 +281,33 @@ def warmup_cosine(total_steps: int):
         0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
 
-def fit(head: EagleHead, lm_head: torch.nn.Module, train: list, test: list, config: HeadTrainingConfig,
-        from_target: bool = False) -> None:
+def fit(head: EagleHead, lm_head: torch.nn.Module, train: TrainingData, test: TrainingData,
+        config: HeadTrainingConfig, from_target: bool = False) -> None:
     """Trains `head` on normalised examples (NORMALISED: the features and embeddings divided by their RMS), then
     folds the scales into its weights: it reads and writes the target's raw features. `lm_head`: the target's;
     `from_target`: the head was initialised from the target (`init_from_target`)."""
-    embed_scale, feature_scale = (rms([e[0] for e in train]), rms([e[1] for e in train])) if NORMALISED else (1, 1)
-    train, test = normalised(train, embed_scale, feature_scale), normalised(test, embed_scale, feature_scale)
+    if NORMALISED:
+        train = normalised(train)
+        test = test.scaled(train.embed_scale, train.feature_scale)
     if from_target:
-        match_residual_scale(head, train[:16])
-    scaled = [frozen_linear(m.weight.float() * feature_scale) for m in (head.lm_head or lm_head, lm_head)]
+        match_residual_scale(head, train)
+    scaled = [frozen_linear(m.weight.float() * train.feature_scale) for m in (head.lm_head or lm_head, lm_head)]
     train_on(head, *scaled, train, test, config)
-    fold_scales(head, embed_scale, feature_scale)
+    fold_scales(head, train.embed_scale, train.feature_scale)
 
 
-def train_on(head: EagleHead, draft_lm_head: torch.nn.Module, lm_head: torch.nn.Module, train: list, test: list,
-             config: HeadTrainingConfig) -> None:
+def train_on(head: EagleHead, draft_lm_head: torch.nn.Module, lm_head: torch.nn.Module, train: TrainingData,
+             test: TrainingData, config: HeadTrainingConfig) -> None:
     """`draft_lm_head`: the head's (over the draft vocabulary), `lm_head`: the target's (for the held-out top-1)."""
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.learning_rate)
-    longest = max(len(e[2]) for e in train)
+    longest = train.longest()
     per_step = max(1, config.batch_size // longest)  # batch_size counts positions
     steps_per_epoch = -(-len(train) // per_step)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.epochs * steps_per_epoch))
     generator = torch.Generator().manual_seed(config.seed)
     with tqdm(total=config.epochs * steps_per_epoch, desc="training an EAGLE head", dynamic_ncols=True) as bar:
         for _ in range(config.epochs):
-            for batch in batches(train, per_step, generator):
+            for batch in train.batches(per_step, generator):
                 loss = loss_of(head, draft_lm_head, batch, config.unroll_steps)
                 optimizer.zero_grad()
                 loss.backward()
@@ -271,7 +320,7 @@ def train_on(head: EagleHead, draft_lm_head: torch.nn.Module, lm_head: torch.nn.
 
 
 @torch.no_grad()
-def held_out_accuracy(head: EagleHead, lm_head: torch.nn.Module, test: list,
+def held_out_accuracy(head: EagleHead, lm_head: torch.nn.Module, test: TrainingData,
                       draft_lm_head: torch.nn.Module | None = None, depths: int = EVAL_DEPTHS) -> list[float]:
     """Per draft depth j = 1..`depths`, the fraction of held-out continuation positions (from j - 1 on) where the
     head's top-1 at unrolled step j is the target's own top-1 there: depth 1 teacher-forced (the first draft's
@@ -280,7 +329,7 @@ def held_out_accuracy(head: EagleHead, lm_head: torch.nn.Module, test: list,
     target's)."""
     draft_lm_head = draft_lm_head or head.lm_head or lm_head
     correct, total = [0] * depths, [0] * depths
-    for embeds, features, kinds, next_features in batches(test, 1):
+    for embeds, features, kinds, next_features in test.batches(1):
         labels = logits_of(lm_head, next_features).argmax(-1)
         for step, out in enumerate(head.forward_steps(embeds, features, depths)):
             kept = kinds == CONTINUATION

@@ -16,6 +16,9 @@ from inferno.worker.model_runner import ModelRunner
 
 IGNORE = -100  # label of a head past the sequence's end
 PREFILL_BATCH_TOKENS = 2048  # tokens per recording pass (several sequences batched as one step's prefills)
+# the recorded features' dtype on the CPU: half of float32's memory (a million positions of a 1536-wide model:
+# 3 GB), 11 significant bits; the training reads them as float32
+FEATURE_DTYPE = torch.float16
 
 
 @torch.inference_mode()
@@ -33,16 +36,17 @@ def usable_sequences(runner: ModelRunner, sequences: list[TrainingSequence], wha
 
 @torch.no_grad()
 def record_hidden_states(runner: ModelRunner, sequences: list[TrainingSequence]) -> list[torch.Tensor]:
-    """Per sequence, float32 hidden states [n, hidden] after the final norm, recorded in batched prefill passes;
-    with no request holding blocks."""
+    """Per sequence, the hidden states [n, hidden] after the final norm, on the CPU in FEATURE_DTYPE (float32 for a
+    pass whose states do not fit it), recorded in batched prefill passes; with no request holding blocks."""
     longest = max(len(s.token_ids) for s in sequences)
     if cdiv(longest, runner.block_size) > runner.num_blocks:
         raise ValueError(f"a training sequence of {longest} tokens does not fit the KV cache's {runner.num_blocks} "
                          f"blocks of {runner.block_size}")
     hidden = []
     for batch in prefill_batches([s.token_ids for s in sequences], runner.block_size, runner.num_blocks):
-        out = runner.model.norm(runner.forward(prefill_step(batch, runner.block_size).micro_batches[0]))
-        hidden += out.float().split([len(ids) for ids in batch])
+        out = runner.model.norm(runner.forward(prefill_step(batch, runner.block_size).micro_batches[0])).cpu()
+        kept = out.to(FEATURE_DTYPE)
+        hidden += (kept if bool(torch.isfinite(kept).all()) else out.float()).split([len(ids) for ids in batch])
     return hidden
 
 
@@ -97,8 +101,8 @@ def train_medusa_heads(runner: ModelRunner, sequences: list[TrainingSequence], c
     examples = [head_examples(h, s, config.num_heads) for h, s in zip(hidden, usable)]
     random.Random(config.seed).shuffle(examples)
     num_held_out = max(1, round(config.held_out_fraction * len(examples)))
-    train_x, train_y = (torch.cat(t).cpu() for t in zip(*examples[num_held_out:]))
-    test_x, test_y = (torch.cat(t).cpu() for t in zip(*examples[:num_held_out]))
+    train_x, train_y = (torch.cat(t) for t in zip(*examples[num_held_out:]))
+    test_x, test_y = (torch.cat(t) for t in zip(*examples[:num_held_out]))
     torch.manual_seed(config.seed)
     heads = MedusaHeads(config.num_heads, config.num_layers, runner.config.hidden_size, runner.config.vocab_size,
                         own_lm_heads=False)
@@ -124,7 +128,7 @@ def fit(heads: MedusaHeads, lm_head: torch.nn.Module, train: tuple[torch.Tensor,
             order = torch.randperm(len(x), generator=generator)
             for start in range(0, len(x), config.batch_size):
                 batch = order[start:start + config.batch_size]
-                logits = heads.logits(x[batch], lm_head)  # [heads, b, vocab]
+                logits = heads.logits(x[batch].float(), lm_head)  # [heads, b, vocab]
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[batch].t().flatten(),
                                                          ignore_index=IGNORE)
                 optimizer.zero_grad()
@@ -142,7 +146,7 @@ def held_out_accuracy(heads: MedusaHeads, lm_head: torch.nn.Module, x: torch.Ten
     """Per head, the fraction of its labelled positions where its top-1 is the label."""
     correct = torch.zeros(heads.num_heads)
     for start in range(0, len(x), batch_size):
-        top1 = heads.logits(x[start:start + batch_size], lm_head).argmax(-1).t()  # [b, heads]
+        top1 = heads.logits(x[start:start + batch_size].float(), lm_head).argmax(-1).t()  # [b, heads]
         correct += (top1 == y[start:start + batch_size]).sum(0)
     return (correct / (y != IGNORE).sum(0).clamp(min=1)).tolist()
 
