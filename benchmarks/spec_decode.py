@@ -1,8 +1,11 @@
 """Speculative decoding: tokens/s with and without drafts, at 1 and at --concurrency concurrent requests.
 
-Engines (all loaded first, then measured in turns so that slow drifts of the machine hit every configuration
-alike): the target --target (Qwen2.5-Coder-1.5B) plain, with n-gram, with the draft model --draft
-(Qwen2.5-Coder-0.5B) and with the speculative heads --heads (--method medusa or eagle); the default model (SmolLM2-135M) plain and with n-gram. Speculating engines are also measured
+Engines (measured in turns, so that slow drifts of the machine hit every configuration alike; each turn is a process
+of its own that loads one engine, waits for its warm-up and measures it: one engine in memory at a time): the target
+--target (Qwen2.5-Coder-1.5B) plain, with n-gram, with the draft model --draft (Qwen2.5-Coder-0.5B) and with the
+speculative heads --heads (--method medusa or eagle); the default model (SmolLM2-135M) plain and with n-gram. Target
+and draft run as a user's `LLM(path)` does (--target-quantization auto: a GGUF's own blocks, on tiles) unless
+--target-dtype / --target-quantization say otherwise. Speculating engines are also measured
 with their speculation policy changed, to show what it saves: "no batch switch" (disable_by_batch_size None;
 concurrent only, batch 1 is the same) and "policy off" (also draft_acceptance_threshold 0: always
 num_speculative_tokens drafts).
@@ -17,10 +20,13 @@ engines taking turns; the table shows medians. Acceptance: accepted / proposed d
 draft position. Results print as a table and replace the `spec_decode` section of --output.
 """
 import argparse
-import gc
+import dataclasses
+import json
+import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -184,14 +190,15 @@ def report(rows: list[Measurements], args, repeats_done: int) -> str:
         "run under `flock /tmp/inferno-cpu.lock` (no other benchmark or test suite at the same time)",
         f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}`",
         f"- Greedy, at most {args.max_tokens} new tokens, chat template; n-gram: {args.num_spec_tokens} drafts, "
-        f"lookup 2–4 tokens; draft model: {args.num_draft_tokens} drafts; heads: {args.num_head_tokens} drafts; target and draft in {args.target_dtype} "
-        f"with {args.target_quantization or 'no'} weight quantization, SmolLM2 in {args.dtype}; speculation "
+        f"lookup 2–4 tokens; draft model: {args.num_draft_tokens} drafts; heads: {args.num_head_tokens} drafts; "
+        f"target and draft: dtype {args.target_dtype}, quantization {args.target_quantization or 'none'} ('auto': "
+        f"the GGUF's own blocks, as `LLM(path)` runs them), SmolLM2 in {args.dtype}; speculation "
         f"policy: draft_acceptance_threshold "
         f"{'default' if args.draft_acceptance_threshold is None else args.draft_acceptance_threshold}, "
         f"disable_by_batch_size {args.disable_by_batch_size or 'default'}",
         f"- batch 1 tok/s: decode speed of one request, (output − 1) / (last − first token time); concurrent: "
         f"{args.concurrency} requests in one `generate` call, output tokens / wall time (prefill included); "
-        f"medians of {repeats_done} repeats, engines measured in turns",
+        f"medians of {repeats_done} repeats, engines measured in turns (a process each, after its warm-up)",
         "- acceptance: accepted / proposed draft tokens; per position: the same for the 1st, 2nd, … draft; "
         "switched off: request-steps without drafts because of low acceptance (paused) and steps with speculation "
         "off by `disable_by_batch_size` (batch)",
@@ -208,9 +215,10 @@ def main() -> None:
     parser.add_argument("--target", default=None, help="target GGUF (e.g. models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf)")
     parser.add_argument("--draft", default=None, help="draft GGUF for --target (e.g. the 0.5B)")
     parser.add_argument("--dtype", default="float32", help="dtype of the default model")
-    parser.add_argument("--target-dtype", default="bfloat16")
-    parser.add_argument("--target-quantization", default="int4", choices=["int4", "int8", "none"],
-                        help="weight quantization of target and draft ('none': dequantized to --target-dtype)")
+    parser.add_argument("--target-dtype", default="auto")
+    parser.add_argument("--target-quantization", default="auto", choices=["auto", "int4", "int8", "none"],
+                        help="weight quantization of target and draft ('auto': a GGUF's own blocks; 'none': "
+                             "dequantized to --target-dtype)")
     parser.add_argument("--tasks", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -235,35 +243,64 @@ def main() -> None:
     parser.add_argument("--skip-default-model", action="store_true")
     parser.add_argument("--notes", default=None, help="a Markdown file appended to the section")
     parser.add_argument("--output", default=str(Path(__file__).parent / "RESULTS.md"))
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)  # the engine a turn measures
     args = parser.parse_args()
     if args.target_quantization == "none":
         args.target_quantization = None
-    loaded = []
-    for name, config, variants in engines(args):
-        start = time.perf_counter()
-        llm = LLM(**config)
-        llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
-        print(f"loaded {name} ({variants[0][0]}) in {time.perf_counter() - start:.1f}s", flush=True)
-        loaded.append((llm, [Measurements(name, method, task, policy) for method, policy in variants
-                             for task in args.tasks]))
-    rows = [m for _, ms in loaded for m in ms]
+    if args.child is not None:
+        return measure_engine(args, args.child)
+    configurations = [(name, variants) for name, _, variants in engines(args)]
+    measured = [[Measurements(name, method, task, policy) for method, policy in variants for task in args.tasks]
+                for name, variants in configurations]
+    rows = [m for ms in measured for m in ms]
     for repeat in range(args.repeats):
-        for llm, ms in loaded:
-            defaults = {}
-            if llm.llm_engine.scheduler.spec_policy is not None:
-                policy = llm.llm_engine.scheduler.spec_policy
-                defaults = {"disable_by_batch_size": policy.disable_by_batch_size, "threshold": policy.threshold}
-            for m in ms:
-                measure(llm, m, args)
-                for name, value in defaults.items():  # back to the engine's own policy
-                    setattr(llm.llm_engine.scheduler.spec_policy, name, value)
+        for index, ms in enumerate(measured):
+            command = [sys.executable, __file__, *sys.argv[1:], "--child", str(index)]
+            out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, PYTHONUNBUFFERED="1")).stdout
+            for m, turn in zip(ms, json.loads(out.strip().splitlines()[-1]), strict=True):
+                add_turn(m, Measurements(**turn))
                 single = f"{m.single_tok_s[-1]:.1f}" if m.single_tok_s else "–"
                 print(f"repeat {repeat + 1}: {m.model} {m.method} {m.task}: batch 1 {single} tok/s, "
                       f"concurrent {m.concurrent_tok_s[-1]:.1f} tok/s, acceptance {m.acceptance}", flush=True)
         # partial results survive a stop
         write_section(Path(args.output), "spec_decode", report(rows, args, repeat + 1))
-        gc.collect()
     print(report(rows, args, args.repeats))
+
+
+def measure_engine(args, index: int) -> None:
+    """A turn (in a process of its own): engine `index` of `engines`, loaded and warmed up, measured once on each
+    of its variants and tasks; the measurements print as the last line, JSON."""
+    name, config, variants = list(engines(args))[index]
+    start = time.perf_counter()
+    llm = LLM(**config)
+    llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.wait_for_warm_up()
+    print(f"loaded {name} ({variants[0][0]}) and warmed up in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    policy = llm.llm_engine.scheduler.spec_policy
+    defaults = {} if policy is None else {"disable_by_batch_size": policy.disable_by_batch_size,
+                                          "threshold": policy.threshold}
+    turns = []
+    for method, variant in variants:
+        for task in args.tasks:
+            turns.append(Measurements(name, method, task, variant))
+            measure(llm, turns[-1], args)
+            for attribute, value in defaults.items():  # back to the engine's own policy
+                setattr(policy, attribute, value)
+    print(json.dumps([dataclasses.asdict(m) for m in turns]))
+
+
+def add_turn(m: Measurements, turn: Measurements) -> None:
+    """One turn's measurements of `m`'s configuration added to `m`'s."""
+    m.single_tok_s += turn.single_tok_s
+    m.concurrent_tok_s += turn.concurrent_tok_s
+    m.draft_tokens += turn.draft_tokens
+    m.accepted_tokens += turn.accepted_tokens
+    m.draft_per_pos = [a + b for a, b in zip(m.draft_per_pos or [0] * len(turn.draft_per_pos), turn.draft_per_pos)]
+    m.accepted_per_pos = [a + b for a, b in zip(m.accepted_per_pos or [0] * len(turn.accepted_per_pos),
+                                                turn.accepted_per_pos)]
+    m.disabled_steps += turn.disabled_steps
+    m.paused_proposals += turn.paused_proposals
 
 
 if __name__ == "__main__":

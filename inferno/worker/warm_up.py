@@ -88,8 +88,9 @@ class WarmUp:
         """The copy to huge pages at a lower OS priority (Linux); the decode step on a core of its own."""
         try:
             if self.compile_decode:
-                self._compile_decode_step()
-            self._first_step_done.wait(WARM_UP_DELAY)
+                self._compile_decode_step()  # which waits for the first step once its graphs are loaded
+            else:
+                self._first_step_done.wait(WARM_UP_DELAY)
             lower_thread_priority()
             if self.huge_pages:
                 try:
