@@ -11,8 +11,9 @@ that start-up their copy (Qwen2.5-Coder-1.5B Q4_K_M: 0.91 GiB in 0.4-1 s on 2 co
 first step instead, they held the first request (and every other arriving meanwhile) for as long, and on a second core
 still importing the compiler, twice as long.
 
-Which layers get tiles is decided first (`planned_tiles`): the warm-up keys the precompiled decode step, whose graphs
-read the tiles, by that plan (worker/compile_cache.py), and the layers whose tiling failed run their stored blocks."""
+The layers planned to get tiles (`planned_tiles`: none where the copies would not fit in memory) run on them from the
+first pass; one whose tiling failed runs its stored blocks. The warm-up keys the precompiled decode step, whose graphs
+read the tiles, by the layers that got them (`make_fast_layouts`' names; worker/compile_cache.py)."""
 import logging
 import time
 

@@ -65,8 +65,8 @@ def head_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 def load_eagle_head(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The head on `device` in `head_dtype`; on the CPU its weights get their oneDNN copies now (the target's get
-    theirs when the runner is built, worker/tiles.py): a draft pass then streams them ~4 times faster than bfloat16 `F.linear`,
-    which reorders the plain weight on every call."""
+    theirs when the runner is built, worker/tiles.py): a draft pass then streams them ~4 times faster than bfloat16
+    `F.linear`, which reorders the plain weight on every call."""
     head = build_eagle_head(read_eagle_folder(path), target).to(device=device, dtype=head_dtype(dtype, device))
     head.rotary.cos_sin_cache = head.rotary.cos_sin_cache.to(device)
     pack_weights([p for p in head.parameters() if packable(p)])
