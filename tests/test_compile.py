@@ -105,6 +105,17 @@ def test_the_compile_options_name_the_vector_width_that_the_cache_key_lacks(monk
     assert vector_width_option() == {"cpp.simdlen": 512 if "avx512f" in cpu_flags() else 256}
 
 
+def test_a_draft_model_s_runner_and_the_target_s_both_compile_and_are_waited_for(model, monkeypatch):
+    """A draft model's runner has a warm-up of its own beside the target's: both compile their decode step (one after
+    the other: two traces at once broke the second), and `wait_for_warm_up` returns once both are over."""
+    monkeypatch.setattr(warm_up, "read_precompiled", lambda path: None)  # traced, though an earlier test saved them
+    llm = LLM(model, kv_cache_memory=16 << 20, dtype="float32", enforce_eager=False,
+              speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 2})
+    draft = llm.llm_engine.executor.worker.proposer.runner
+    assert llm.wait_for_warm_up()
+    assert not draft.warm_up._thread.is_alive() and draft.compiled_decode is not None
+
+
 def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monkeypatch):
     """Requests start while the decode step is still compiling (held back here), run eagerly, and finish on the
     compiled step once it is handed over: the same tokens as all-eager, no block leaked, nothing compiled twice."""

@@ -56,9 +56,9 @@ class Executor(ABC):
                          "pipeline_parallel_size 1")
 
     def wait_for_warm_up(self, timeout: float | None = None) -> bool:
-        """Block until rank 0's background warm-up (tiles, compiled decode step) is over, at most `timeout` seconds;
-        True if decode steps now run compiled."""
-        return self.model_runner.wait_for_warm_up(timeout)
+        """Block until rank 0's background warm-ups (the compiled decode step, huge pages; a draft model's too) are
+        over, at most `timeout` seconds; True if decode steps now run compiled."""
+        return self.worker.wait_for_warm_up(timeout)
 
     @abstractmethod
     def is_healthy(self) -> bool:

@@ -35,6 +35,10 @@ WARM_UP_DELAY = 1.0
 WARM_UP_SWITCH_INTERVAL = 0.0002
 # seconds the interpreter's exit waits for a warm-up thread to stop (see stop_warm_ups)
 WARM_UP_STOP_WAIT = 10.0
+# held by the warm-up that loads or compiles its decode step: one at a time in a process (a draft model's runner has
+# a warm-up of its own). FX's patches of torch.nn.Module are process-wide (`fx_patches_on_this_thread_only`): a
+# second warm-up tracing meanwhile ran into the first one's ("_thread.get_ident" untraceable) and left its runner eager
+COMPILING = threading.Lock()
 
 
 class WarmUp:
@@ -117,7 +121,7 @@ class WarmUp:
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), COMPILING:
                 compiled = self._load_or_compile(folder)
         except Exception:
             logger.exception("compiling the decode step failed; decode steps stay eager")

@@ -1,6 +1,7 @@
 """One rank: loads (and quantizes) its shard of the model and owns its ModelRunner and KV cache shard."""
 import dataclasses
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,16 @@ class Worker:
             self.proposer = MedusaProposer(heads, self.model_runner, spec.speculative_token_tree)
         elif parallel.rank == 0 and spec is not None:
             self.proposer = NgramProposer(spec)
+
+    def wait_for_warm_up(self, timeout: float | None = None) -> bool:
+        """Block until this rank's warm-ups are over, its runner's and a draft model's runner's (at most `timeout`
+        seconds in all); True if its decode steps now run compiled."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        compiled = self.model_runner.wait_for_warm_up(timeout)
+        draft = getattr(self.proposer, "runner", None)  # Medusa's and EAGLE's are the target's own
+        if draft is not None and draft is not self.model_runner:
+            draft.wait_for_warm_up(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return compiled
 
     def propose_drafts(self, wanted: list[DraftRequest]) -> DraftOutput:
         """Rank 0: drafts for the requests the speculation policy asked, after their step."""
