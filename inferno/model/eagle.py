@@ -117,5 +117,6 @@ def _unrolled_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
     ones = torch.ones(t, t, dtype=torch.bool, device=device)
     return torch.cat([ones.tril(-step)] + [ones.tril(i - step).triu(i - step) for i in range(1, step + 1)], dim=1)
 
+
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)

@@ -27,7 +27,7 @@ targets and normalised copies of them all kept took 37."""
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -221,7 +221,7 @@ def match_residual_scale(head: EagleHead, examples: TrainingData) -> None:
     mlp.down_proj.weight *= scale
 
 
-def rms(tensors: Iterator[torch.Tensor]) -> float:
+def rms(tensors: Iterable[torch.Tensor]) -> float:
     squares = count = 0
     for t in tensors:
         squares, count = squares + float(t.double().square().sum()), count + t.numel()
