@@ -84,8 +84,9 @@ def isa_level_int4_tiles_outputs(tmp_path: Path, level: str, xs: list[torch.Tens
 
 
 def isa_level_q8_tiles_outputs(tmp_path: Path, level: str, xs: list[torch.Tensor], codes: torch.Tensor,
-                               scales: torch.Tensor) -> list[torch.Tensor]:
-    """The Q8 tiles (quantized_gemv.cpp): `q8_tiles_matmul(x, q8_tile(codes, scales))` for each x at `level`."""
-    code = ("xs, codes, scales = inputs\nops = torch.ops.inferno\ntiles = ops.q8_tile(codes, scales)\n"
-            "outputs = [ops.q8_tiles_matmul(x, tiles) for x in xs]")
+                               scales: torch.Tensor, tiles: str = "q8") -> list[torch.Tensor]:
+    """The Q8 tiles (quantized_gemv.cpp) or with `tiles="q5"` the Q5 tiles (q5_tiles.cpp):
+    `{tiles}_tiles_matmul(x, {tiles}_tile(codes, scales))` for each x at `level`."""
+    code = (f"xs, codes, scales = inputs\nops = torch.ops.inferno\ntiles = ops.{tiles}_tile(codes, scales)\n"
+            f"outputs = [ops.{tiles}_tiles_matmul(x, tiles) for x in xs]")
     return isa_level_run(tmp_path, level, code, (xs, codes, scales))

@@ -11,6 +11,7 @@ from inferno import LLM, SamplingParams
 from inferno.config import EngineConfig
 from inferno.cpu_features import has_native_bfloat16
 from inferno.distributed.parallel_state import ParallelRank
+from inferno.kernels.library import kernels_disabled
 from inferno.layers.parallel_linear import GatheredRowParallel, RowParallelLinear
 from inferno.layers.quantization.native import GGUFRowsEmbedding, QuantizedEmbedding
 from inferno.layers.quantization.q4_k import Q4KBlocks, Q4KLinear
@@ -130,6 +131,9 @@ def test_every_type_runs_natively_and_matches_the_float_model(tmp_path, qtype):
     assert isinstance(model.embed_tokens, embedding_kind) and isinstance(model.lm_head, head_kind)
     codes = model.embed_tokens.blocks if qtype == T.Q6_K else model.embed_tokens.codes
     assert model.lm_head.weight.data_ptr() == codes.data_ptr()  # the tied head shares codes
+    if qtype in (T.Q5_0, T.Q8_0) and not kernels_disabled():  # symmetric groups of 32: tiles, Q5_0's of 5-bit codes
+        tiled = [m for m in model.modules() if isinstance(m, Q8Linear) and m.can_tile]
+        assert tiled and all(m.tiles is not None and m.five_bit_tiles == (qtype == T.Q5_0) for m in tiled)
     assert_same_model(native, reference)
 
 

@@ -308,6 +308,76 @@ def test_tiled_q8_linear_computes_the_kernels_sums_at_every_batch_size(rows):
         torch.testing.assert_close(y, untiled, rtol=1e-5, atol=1e-5 * untiled.abs().max().item())
 
 
+def random_q5_groups(n: int, k: int, seed: int) -> Q8Groups:
+    """The GGUF Q5_0 block as Q8Groups: codes q - 16 in [-16, 15] (both ends included) and float16 scales."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-16, 16, (n, k), dtype=torch.int8, generator=g)
+    codes[0, :32] = 15
+    codes[-1, -32:] = -16
+    return Q8Groups(codes, (torch.rand(n, k // 32, generator=g) / 50).half().float())
+
+
+def untiled_q5(tiles: torch.Tensor, k: int) -> torch.Tensor:
+    """The weight [N, K] rebuilt from Q5 tiles as the layout promises (q5_tiles.cpp): (q - 16) * d in float32."""
+    t, b = tiles.shape[0], k // 32
+    blocks = tiles.view(t, b, 352)
+    d = blocks[..., :32].contiguous().view(torch.float16).float()  # [tiles, blocks, 16 rows]
+    bits = blocks[..., 32:96].reshape(t, b, 4, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8) & 1
+    fifth = bits.reshape(t, b, 4, 2, 64)  # (tile, block, group, low / high nibbles, lane 4 r + c)
+    nibbles = blocks[..., 96:].reshape(t, b, 4, 1, 64) >> torch.tensor([[0], [4]], dtype=torch.uint8) & 0x0F
+    q = (nibbles | fifth << 4).reshape(t, b, 4, 2, 16, 4)  # (tile, block, group, half, row, column)
+    codes = q.permute(0, 4, 1, 2, 3, 5).reshape(t * 16, b, 32).float() - 16  # column 8 group + 4 half + c
+    return (codes * d.permute(0, 2, 1).reshape(-1, b, 1)).view(-1, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [32, 576, 896])
+def test_q5_tiles_hold_every_value(k):
+    layer = Q8Linear(random_q5_groups(48, k, seed=k), k)
+    layer.tile()
+    assert layer.five_bit_tiles and layer.tiles.shape == (3, k // 32 * 352)
+    assert layer.unread_buffers == ("weight", "scales")
+    assert torch.equal(untiled_q5(layer.tiles, k), layer.dequantize())
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [*ROWS, 130])  # 130: two panels of rows (128 each)
+@pytest.mark.parametrize("k", [32, 576, 1536])
+def test_q5_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
+    weight = random_q5_groups(80, k, seed=m)  # 5 tiles: a group of 4 and one more
+    x = q8_kernel_inputs(m, k)
+    y = quantized_gemv().q5_tiles_matmul(x, quantized_gemv().q5_tile(weight.codes, weight.scales))
+    assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
+
+
+@needs_kernels
+@EACH_ISA_LEVEL
+def test_each_isa_level_of_the_q5_tiles_kernel_computes_the_same_sums(tmp_path, level):
+    weight = random_q5_groups(48, 576, seed=0)
+    xs = [q8_kernel_inputs(m, 576) for m in (1, 5)]
+    ys = isa_level_q8_tiles_outputs(tmp_path, level, xs, weight.codes, weight.scales, tiles="q5")
+    for x, y in zip(xs, ys):
+        assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
+
+
+@needs_kernels
+@pytest.mark.parametrize("beyond", ["code 16", "code -17", "scale not a float16"])
+def test_q8_linear_makes_q5_tiles_only_of_what_they_hold_exactly(beyond):
+    weight = random_q5_groups(32, 64, seed=1)
+    if beyond == "code 16":
+        weight.codes[3, 7] = 16
+    elif beyond == "code -17":
+        weight.codes[31, 63] = -17
+    else:
+        weight.scales[5, 1] += 1e-7
+    layer = Q8Linear(weight, 64)
+    layer.tile()
+    assert not layer.five_bit_tiles and layer.tiles.shape == (2, 2 * 576)
+    assert torch.equal(untiled_q8(layer.tiles, 64), layer.dequantize())
+    with pytest.raises(RuntimeError, match=r"codes in \[-16, 15\] and float16 scales"):
+        quantized_gemv().q5_tile(weight.codes, weight.scales)
+
+
 @pytest.mark.parametrize("n, group_size, with_mins", [(64, 32, True), (64, 16, False), (200, 32, False)])
 def test_q8_linear_tiles_only_symmetric_groups_of_32_and_whole_tiles(n, group_size, with_mins):
     layer = Q8Linear(random_q8_groups(n, 64, group_size, with_mins, seed=0), 64)

@@ -36,7 +36,8 @@ def quantized_gemv():
     """`int8_group_matmul` (float32 rows times group-wise int8 weights), `int8_group_dequantize`, `int8_q8_matmul` /
     `int4_q8_matmul` (rows quantized to int8 times signed int8 groups of 16 or 32 / group-wise int4) and their
     float32 / bfloat16 dequantizers `int8_q8_dequantize` / `int4_dequantize`, and the int4 and Q8 tiles `int4_tile` /
-    `int4_tiles_matmul` / `q8_tile` / `q8_tiles_matmul` (quantized_gemv.cpp)."""
+    `int4_tiles_matmul` / `q8_tile` / `q8_tiles_matmul` (quantized_gemv.cpp), and the Q5 tiles `q5_tile` /
+    `q5_tiles_matmul` (q5_tiles.cpp)."""
     return native_ops()
 
 

@@ -7,10 +7,10 @@
 
 namespace inferno {
 
-constexpr int64_t TILE_ROWS = 16;  // weight rows per tile (q4_k_tile, q6_k_tile, int4_tile, q8_tile)
+constexpr int64_t TILE_ROWS = 16;  // weight rows per tile (q4_k_tile, q6_k_tile, int4_tile, q8_tile, q5_tile)
 constexpr int64_t Q4K_BLOCK_BYTES = 144, Q4K_TILE_BLOCK_BYTES = 2368;  // per super-block of 256 weights
 constexpr int64_t Q6K_BLOCK_BYTES = 210, Q6K_TILE_BLOCK_BYTES = 3360;
-constexpr int64_t INT4_TILE_BLOCK_BYTES = 320, Q8_TILE_BLOCK_BYTES = 576;  // per block of 32 columns
+constexpr int64_t INT4_TILE_BLOCK_BYTES = 320, Q8_TILE_BLOCK_BYTES = 576, Q5_TILE_BLOCK_BYTES = 352;  // per block of 32 columns
 
 // bytes of a row of the int4 layout (quantized_gemv.cpp): K / 2 of codes, then a float16 scale and min per group
 constexpr int64_t int4_row_bytes(int64_t k, int64_t group_size) { return k / 2 + 4 * (k / group_size); }
@@ -66,6 +66,10 @@ void int4_tile(const View& packed, int64_t k, int64_t group_size, const View& ti
 void int4_tiles_matmul(const View& x, const View& tiles, bool zero_points, const View& y);
 void q8_tile(const View& codes, const View& scales, const View& tiles);
 void q8_tiles_matmul(const View& x, const View& tiles, const View& y);
+
+// q5_tiles.cpp
+bool q5_tile(const View& codes, const View& scales, const View& tiles);
+void q5_tiles_matmul(const View& x, const View& tiles, const View& y);
 
 // q4_k_gemv.cpp, q6_k_gemv.cpp
 void q4_k_matmul(const View& x, const View& blocks, const View& y);

@@ -5,7 +5,7 @@ import torch
 
 T = gguf.GGMLQuantizationType
 
-TILE_ROWS = 16  # weight rows per tile of q4_k_tile, q6_k_tile, int4_tile and q8_tile (entry_points.h)
+TILE_ROWS = 16  # weight rows per tile of q4_k_tile, q6_k_tile, int4_tile, q8_tile and q5_tile (entry_points.h)
 
 # the types whose blocks carry a min: gguf_to_q8 returns their mins (an empty tensor for the others)
 Q8_WITH_MINS = {T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K}
@@ -63,6 +63,10 @@ def register_quantized_gemv():
         return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
 
     @torch.library.register_fake("inferno::q8_tiles_matmul")
+    def _(x, tiles):
+        return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
+
+    @torch.library.register_fake("inferno::q5_tiles_matmul")
     def _(x, tiles):
         return x.new_empty(x.shape[0], tiles.shape[0] * TILE_ROWS)
 

@@ -308,6 +308,28 @@ Tensor q8_tiles_matmul(const Tensor& x, const Tensor& tiles) {
   return y;
 }
 
+// codes [N, K] int8 in [-16, 15] (N a multiple of 16, K of 32), scales [N, K / 32] float32 holding float16 values (the
+// GGUF Q5_0 block as Q8Groups) -> tiles [N / 16, K / 32 * 352] uint8
+Tensor q5_tile(const Tensor& codes, const Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.size(1) % 32 == 0,
+              "codes must be 2-D, int8, contiguous, a multiple of 32 columns");
+  const int64_t n = codes.size(0), blocks = codes.size(1) / 32;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == n && scales.size(1) == blocks, "scales must be float32 [", n, ", ", blocks, "]");
+  check_tile_rows(n, "Q5");
+  auto tiles = at::empty({n / inferno::TILE_ROWS, blocks * inferno::Q5_TILE_BLOCK_BYTES}, codes.options().dtype(at::kByte));
+  TORCH_CHECK(cpu::q5_tile(view(codes), view(scales), view(tiles)),
+              "Q5 tiles take codes in [-16, 15] and float16 scales");
+  return tiles;
+}
+
+// x [M, K] float32; tiles [N / 16, K / 32 * 352] uint8 (q5_tile) -> [M, N] float32
+Tensor q5_tiles_matmul(const Tensor& x, const Tensor& tiles) {
+  auto y = tiles_output(x, tiles, inferno::Q5_TILE_BLOCK_BYTES, 32, "Q5");
+  cpu::q5_tiles_matmul(view(x), view(tiles), view(y));
+  return y;
+}
+
 // ---- K-quant super-blocks (q4_k_gemv.cpp, q6_k_gemv.cpp): 256 weights in `block_bytes` bytes ----
 
 void check_super_blocks(const Tensor& blocks, int64_t block_bytes, const char* type) {
@@ -655,6 +677,8 @@ TORCH_LIBRARY(inferno, m) {
   m.def("int4_tiles_matmul(Tensor x, Tensor tiles, bool zero_points=False) -> Tensor");
   m.def("q8_tile(Tensor codes, Tensor scales) -> Tensor");
   m.def("q8_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
+  m.def("q5_tile(Tensor codes, Tensor scales) -> Tensor");
+  m.def("q5_tiles_matmul(Tensor x, Tensor tiles) -> Tensor");
 
   m.def("q4_k_matmul(Tensor x, Tensor blocks) -> Tensor");
   m.def("q4_k_dequantize(Tensor blocks, ScalarType dtype) -> Tensor");
@@ -698,6 +722,8 @@ TORCH_LIBRARY_IMPL(inferno, CPU, m) {
   m.impl("int4_tiles_matmul", &int4_tiles_matmul);
   m.impl("q8_tile", &q8_tile);
   m.impl("q8_tiles_matmul", &q8_tiles_matmul);
+  m.impl("q5_tile", &q5_tile);
+  m.impl("q5_tiles_matmul", &q5_tiles_matmul);
   m.impl("q4_k_matmul", &q4_k_matmul);
   m.impl("q4_k_dequantize", &q4_k_dequantize);
   m.impl("q4_k_tile", &q4_k_tile);

@@ -1,7 +1,7 @@
-// What the quantized kernels share (quantized_gemv.cpp, q4_k_gemv.cpp, q6_k_gemv.cpp, gguf_repack.cpp): the rows of
-// x quantized to int8 per block of 32, the passes over row blocks of x, float16 reads, K-quant scales, the passes
-// of the super-block matmul operators and the float32 / bfloat16 output of the dequantizers. Everything here
-// has internal linkage (each kernel file its own copy).
+// What the quantized kernels share (quantized_gemv.cpp, q5_tiles.cpp, q4_k_gemv.cpp, q6_k_gemv.cpp,
+// gguf_repack.cpp): the rows of x quantized to int8 per block of 32, the passes over row blocks of x, float16 reads,
+// K-quant scales, the passes of the super-block matmul operators and the float32 / bfloat16 output of the
+// dequantizers. Everything here has internal linkage (each kernel file its own copy).
 #pragma once
 
 #include "entry_points.h"
@@ -238,7 +238,7 @@ void super_block_matmul(const inferno::View& x, const inferno::View& blocks, con
 }
 
 // ---- tiles: TILE_ROWS weight rows regrouped so that a vector holds a few columns of each (q4_k_tile, q6_k_tile,
-// int4_tile). A tile is a row of tile blocks, each holding `span` columns: a K-quant super-block (256) or an int4 block
+// int4_tile, q8_tile, q5_tile). A tile is a row of tile blocks, each holding `span` columns: a K-quant super-block (256) or an int4 block
 // of 32. ----
 using inferno::TILE_ROWS;
 constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them

@@ -13,10 +13,13 @@ class Q8Linear(QuantizedLinear):
     """`Q8Groups` through the integer dot products of `inferno::int8_q8_matmul` below `gemm_from_rows` rows,
     dequantize-then-GEMM in `compute_dtype` from there or without the native kernels. Symmetric groups of 32 (Q8_0,
     Q5_0, the LM heads) can be regrouped into tiles of 16 rows (`tile`, every value kept;
-    `inferno::q8_tiles_matmul`), which then run every batch size with the same integer sums."""
+    `inferno::q8_tiles_matmul`), which then run every batch size with the same integer sums; codes that fit 5 bits
+    with float16 scales (Q5_0) into tiles of 5.5 bits per weight instead of 9 (`inferno::q5_tiles_matmul`: a decode
+    step reads that much less)."""
     weight_format = "q8"
     tile_rows = TILE_ROWS
     unread_when_tiled = ("weight", "scales")
+    five_bit_tiles = False  # `tile` made Q5 tiles
 
     def __init__(self, weight: Q8Groups, in_features: int, bias: torch.Tensor | None = None):
         """`weight` may have columns appended beyond `in_features` (up to a multiple of 32): inputs are zero-padded
@@ -41,10 +44,13 @@ class Q8Linear(QuantizedLinear):
         return super().can_tile and self.group_size == 32 and self.mins is None
 
     def make_tiles(self) -> torch.Tensor:
-        return torch.ops.inferno.q8_tile(self.weight, self.scales)
+        self.five_bit_tiles = fits_five_bits(self.weight, self.scales)
+        tile = torch.ops.inferno.q5_tile if self.five_bit_tiles else torch.ops.inferno.q8_tile
+        return tile(self.weight, self.scales)
 
     def tiles_matmul(self, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-        return torch.ops.inferno.q8_tiles_matmul(float_rows(x), tiles)
+        matmul = torch.ops.inferno.q5_tiles_matmul if self.five_bit_tiles else torch.ops.inferno.q8_tiles_matmul
+        return matmul(float_rows(x), tiles)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.inferno.int8_q8_matmul(float_rows(x), self.weight, self.scales, self.mins,
@@ -59,3 +65,9 @@ class Q8Linear(QuantizedLinear):
         if self.native and dtype in (torch.float32, torch.bfloat16):
             return torch.ops.inferno.int8_q8_dequantize(self.weight, self.scales, self.mins, self.group_size, dtype)
         return self.q8_groups.dequantize().to(dtype)
+
+
+def fits_five_bits(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Codes in [-16, 15] and scales that are float16 values: the GGUF Q5_0 block, which the Q5 tiles hold exactly."""
+    low, high = torch.aminmax(codes)
+    return bool(low >= -16 and high <= 15 and torch.equal(scales.half().float(), scales))
