@@ -30,7 +30,7 @@ def metadata(num_rows: int, temperature: float = 1.0) -> SamplingMetadata:
     return SamplingMetadata(temperature=torch.full((num_rows,), temperature), all_greedy=temperature == 0,
                             top_k=None, top_p=None, min_p=None, generators={}, penalty_rows=[],
                             repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-                            prompt_token_ids=[], output_token_ids=[], banned_token_ids={}, max_num_logprobs=None)
+                            prompt_tokens=[], output_token_ids=[], banned_token_ids={}, max_num_logprobs=None)
 
 
 def emitted_tokens(drafts: list[list[int]], draft_probs: torch.Tensor | None) -> list[list[int]]:

@@ -67,7 +67,7 @@ def test_min_p_never_samples_below_threshold(llm):
 def metadata(batch: int, **overrides) -> SamplingMetadata:
     fields = dict(temperature=torch.ones(batch), all_greedy=False, top_k=None, top_p=None, min_p=None,
                   generators={}, penalty_rows=[], repetition_penalty=None, presence_penalty=None,
-                  frequency_penalty=None, prompt_token_ids=[], output_token_ids=[], banned_token_ids={},
+                  frequency_penalty=None, prompt_tokens=[], output_token_ids=[], banned_token_ids={},
                   max_num_logprobs=None)
     fields.update(overrides)
     return SamplingMetadata(**fields)
@@ -98,7 +98,8 @@ def test_penalties_match_reference_formula():
     prompts, outputs = [[1, 2, 3], [4], [5, 5]], [[3, 3, 7], [], [5, 9, 9, 9]]
     rep, pres, freq = torch.tensor([1.3, 1.0, 0.8]), torch.tensor([0.5, 0.0, -0.3]), torch.tensor([0.2, 0.0, 1.0])
     md = metadata(3, penalty_rows=[0, 1, 2], repetition_penalty=rep, presence_penalty=pres,
-                  frequency_penalty=freq, prompt_token_ids=prompts, output_token_ids=outputs)
+                  frequency_penalty=freq, prompt_tokens=[torch.tensor(p).unique() for p in prompts],
+                  output_token_ids=outputs)
     ours = apply_penalties(logits.clone(), md)
     ref = logits.clone()
     for i in range(3):

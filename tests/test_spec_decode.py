@@ -95,10 +95,11 @@ def test_stops_inside_accepted_drafts_match_plain_decoding(ngram_llm, llm, promp
         assert len(spec.token_ids) < MAX_TOKENS
 
 
-def test_penalties_and_min_tokens_see_the_drafts_before_each_position(llm, ngram_llm, prompts):
+@pytest.mark.parametrize("spec_llm", ["ngram_llm", "self_draft_llm"])
+def test_penalties_and_min_tokens_see_the_drafts_before_each_position(request, llm, spec_llm, prompts):
     params = greedy(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, min_tokens=5,
                     ignore_eos=False, max_tokens=16)
-    assert token_ids(ngram_llm, prompts, params) == token_ids(llm, prompts, params)
+    assert token_ids(request.getfixturevalue(spec_llm), prompts, params) == token_ids(llm, prompts, params)
 
 
 @pytest.mark.parametrize("spec_llm", ["ngram_llm", "self_draft_llm"])

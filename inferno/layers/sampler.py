@@ -3,7 +3,6 @@
 Sampling inverts each row's cumulative distribution at one uniform draw (`random_sample`); a seeded request draws it
 from its own generator and gets the same tokens whatever else is in the batch.
 """
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,7 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None  # [len(penalty_rows)]
     presence_penalty: torch.Tensor | None
     frequency_penalty: torch.Tensor | None
-    prompt_token_ids: list[list[int]]  # per penalty row
+    prompt_tokens: list[torch.Tensor]  # per penalty row: its prompt's distinct token ids, sorted (long)
     output_token_ids: list[list[int]]  # per penalty row
     banned_token_ids: dict[int, list[int]]  # row -> tokens not allowed yet (EOS and stop tokens before min_tokens)
     max_num_logprobs: int | None  # None: no logprobs wanted
@@ -65,14 +64,16 @@ def allowed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """vLLM's penalties, in place, on each penalty row's tokens seen in its prompt or output only (the others are
-    left as they are: a penalty changes nothing there), so a step costs the rows' token counts, not passes over their
-    vocabularies: repetition divides a seen token's positive logit by the penalty and multiplies a negative one, then
-    frequency subtracts the penalty times the token's count in the output, presence the penalty once."""
+    left as they are: a penalty changes nothing there), so a step costs the rows' output lengths and their prompts'
+    distinct tokens (found once per request), not passes over their vocabularies or prompts: repetition divides a
+    seen token's positive logit by the penalty and multiplies a negative one, then frequency subtracts the penalty
+    times the token's count in the output, presence the penalty once."""
     for i, row in enumerate(md.penalty_rows):
-        output_counts = Counter(md.output_token_ids[i])
-        seen = sorted(set(md.prompt_token_ids[i]).union(output_counts))
-        index = torch.tensor(seen, dtype=torch.long, device=logits.device)
-        counts = torch.tensor([output_counts.get(t, 0) for t in seen], dtype=logits.dtype, device=logits.device)
+        output = torch.tensor(md.output_token_ids[i], dtype=torch.long, device=logits.device)
+        output_tokens, output_counts = output.unique(return_counts=True)
+        index = torch.cat([md.prompt_tokens[i].to(logits.device), output_tokens]).unique()
+        counts = torch.zeros(len(index), dtype=logits.dtype, device=logits.device)
+        counts[torch.searchsorted(index, output_tokens)] = output_counts.to(logits.dtype)
         values = logits[row, index]
         repetition = md.repetition_penalty[i]
         values = torch.where(values > 0, values / repetition, values * repetition)

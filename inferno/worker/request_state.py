@@ -24,10 +24,17 @@ class CachedRequestState(TokenCounts):
     pooling_params: PoolingParams | None = None  # an embedding request (worker/pooler.py)
     pooled: torch.Tensor | None = None  # rank 0: what its pooling has gathered from the chunks computed so far
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with
+    prompt_tokens: torch.Tensor | None = None  # distinct_prompt_tokens, once a step has needed them
 
     @property
     def lora_int_id(self) -> int:
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    def distinct_prompt_tokens(self) -> torch.Tensor:
+        """The prompt's distinct token ids, sorted (what the penalties look up), found at the first call."""
+        if self.prompt_tokens is None:
+            self.prompt_tokens = torch.tensor(self.prompt_token_ids, dtype=torch.long).unique()
+        return self.prompt_tokens
 
     @classmethod
     def from_new(cls, data: NewRequestData, device: torch.device) -> "CachedRequestState":

@@ -20,6 +20,8 @@ class SamplingState(Protocol):
     @property
     def output_token_ids(self) -> list[int]: ...
 
+    def distinct_prompt_tokens(self) -> torch.Tensor: ...
+
 
 def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: int,
                       bitmasks: list[torch.Tensor | None] | None = None,
@@ -61,7 +63,7 @@ def sampling_metadata(rows: list[tuple[SamplingState, list[int]]], vocab_size: i
         repetition_penalty=penalty("repetition_penalty"),
         presence_penalty=penalty("presence_penalty"),
         frequency_penalty=penalty("frequency_penalty"),
-        prompt_token_ids=[requests[i].prompt_token_ids for i in penalty_rows],
+        prompt_tokens=[requests[i].distinct_prompt_tokens() for i in penalty_rows],
         output_token_ids=[requests[i].output_token_ids + rows[i][1] for i in penalty_rows],
         banned_token_ids={i: t for i, t in banned.items() if t},
         max_num_logprobs=max(wanted) if wanted else None,

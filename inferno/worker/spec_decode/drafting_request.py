@@ -38,6 +38,9 @@ class DraftingRequest(TokenCounts):
     def eos_token_ids(self) -> set[int]:
         return self.state.eos_token_ids
 
+    def distinct_prompt_tokens(self) -> torch.Tensor:
+        return self.state.distinct_prompt_tokens()
+
     @property
     def block_ids(self) -> list[int]:
         return self.state.block_ids
