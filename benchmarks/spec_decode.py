@@ -187,7 +187,7 @@ def report(rows: list[Measurements], args, repeats_done: int) -> str:
         "",
         f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- Machine: {torch.get_num_threads()} torch threads on {platform.machine()}, torch {torch.__version__}; "
-        "run under `flock /tmp/inferno-cpu.lock` (no other benchmark or test suite at the same time)",
+        "nothing else running (the rows compare only on an otherwise idle machine)",
         f"- Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}`",
         f"- Greedy, at most {args.max_tokens} new tokens, chat template; n-gram: {args.num_spec_tokens} drafts, "
         f"lookup 2–4 tokens; draft model: {args.num_draft_tokens} drafts; heads: {args.num_head_tokens} drafts; "
