@@ -168,6 +168,23 @@ def test_the_precompiled_key_follows_shapes_settings_and_options():
     assert precompiled_key(changed, options) == key
 
 
+def test_the_precompiled_key_does_not_follow_the_operators_a_process_has_called():
+    """An operator namespace (the CPU attention backend holds `torch.ops.inferno`) gains attributes as a process
+    first calls its operators, and the draft model's key, taken while the target's warm-up called some, differed
+    from one start to the next: the key names namespaces and operators, nothing they cache."""
+    library = torch.library.Library("inferno_key_test", "DEF")
+    library.define("echo(Tensor x) -> Tensor")
+    library.impl("echo", lambda x: x.clone(), "CPU")
+    holder = torch.nn.Module()
+    holder.kernels, holder.scale = torch.ops.inferno_key_test, 2.0
+    before = precompiled_key(holder)
+    assert torch.equal(torch.ops.inferno_key_test.echo(torch.ones(2)), torch.ones(2))  # its first call
+    assert "echo" in vars(torch.ops.inferno_key_test)
+    assert precompiled_key(holder) == before
+    holder.scale = 3.0
+    assert precompiled_key(holder) != before
+
+
 def test_the_precompiled_key_names_the_layers_that_got_their_tiles(models, monkeypatch):
     """A layer whose tiling failed runs its stored blocks, so its graphs differ: the runner's list of tiled layers
     leaves it out (tiling stops at the failure), and the key differs from the one of the model tiled whole."""

@@ -31,6 +31,7 @@ import pickle
 import shutil
 import sys
 import threading
+import types
 from pathlib import Path
 
 import torch
@@ -126,13 +127,19 @@ SCALARS = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, enu
 
 def structure(value: object, depth: int = 0) -> str:
     """`value` as a trace sees it, without tensor contents: tensors by dtype, shape, strides and device; modules by
-    each submodule's class and attributes; plain values by repr; objects by class and attributes (6 levels deep)."""
+    each submodule's class and attributes; plain values by repr; Python modules and operators by name (an operator
+    namespace's attributes grow with the operators a process has called so far: two starts of a draft model, whose
+    attention backend holds `torch.ops.inferno`, got two keys); objects by class and attributes (6 levels deep)."""
     if isinstance(value, torch.Tensor):
         return f"T({value.dtype},{tuple(value.shape)},{value.stride()},{value.device.type})"
     if isinstance(value, torch.nn.Module):
         return "M(" + ";".join(f"{name}={type(module).__qualname__}{structure(attributes(module), depth + 1)}"
                                for name, module in value.named_modules()) + ")"
     if isinstance(value, SCALARS):
+        return repr(value)
+    if isinstance(value, types.ModuleType):  # by name (torch.ops.inferno among them): what it holds is code
+        return f"module:{value.__name__}"
+    if isinstance(value, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):  # by name, not their lookup caches
         return repr(value)
     if depth > 6:
         return type(value).__qualname__
