@@ -2,6 +2,8 @@
 compiled in the background and the engine switches to it between steps without changing a token. A tiny random llama
 stands in for the default model: compiling the default model's 30 layers costs minutes, and the graphs are the same
 per layer."""
+import logging
+import re
 import threading
 from dataclasses import replace
 
@@ -114,6 +116,37 @@ def test_a_draft_model_s_runner_and_the_target_s_both_compile_and_are_waited_for
     draft = llm.llm_engine.executor.worker.proposer.runner
     assert llm.wait_for_warm_up()
     assert not draft.warm_up._thread.is_alive() and draft.compiled_decode is not None
+
+
+def test_a_draft_model_of_other_shapes_gets_symbols_only_for_the_step_s_inputs(model, tmp_path, monkeypatch):
+    """`decode_step` is one function for the target and its draft: with dynamo's automatic dynamic shapes the draft's
+    trace, after the target's, took every size that differed between the two (its KV caches' among them) as a
+    symbol (Qwen2.5-Coder-1.5B with its 0.5B as draft: the draft traced twice, 25-31 s each instead of 4-7). Only the
+    batch size and the block-table width are symbols, in both models' graphs."""
+    draft = tmp_path / "draft"
+    write_hf_model(draft, "llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    monkeypatch.setattr(warm_up, "read_precompiled", lambda path: None)  # traced, though an earlier test saved them
+    symbols = []
+
+    class Symbols(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if (found := re.search(r"create_symbol \w+ = \d+ for (L\['\w+'\])", record.getMessage())):
+                symbols.append(found.group(1))
+
+    handler, shapes_log = Symbols(), logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    torch._logging.set_logs(dynamic=logging.INFO)
+    shapes_log.addHandler(handler)
+    try:
+        llm = LLM(model, kv_cache_memory=16 << 20, dtype="float32", enforce_eager=False,
+                  speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+        assert llm.wait_for_warm_up()
+    finally:
+        shapes_log.removeHandler(handler)
+        torch._logging.set_logs()
+    assert llm.llm_engine.executor.worker.proposer.runner.compiled_decode is not None
+    assert symbols.count("L['input_ids']") == 2  # the batch graphs of both models
+    assert set(symbols) == {"L['input_ids']", "L['positions']", "L['slot_mapping']", "L['block_tables']",
+                            "L['seq_lens']"}
 
 
 def test_switch_from_eager_to_compiled_mid_serving_changes_no_token(model, monkeypatch):

@@ -125,9 +125,13 @@ class CompiledDecode:
 
 def compile_graphs(model: torch.nn.Module, attention, scratch_block: int, block_size: int) -> CompiledDecode:
     """Both graphs traced and built (from inductor's caches where it has them), each logged with its phases (dynamo's
-    timers). The fused elementwise kernels are looked up first: the graphs call the ones the eager steps call."""
+    timers). The fused elementwise kernels are looked up first: the graphs call the ones the eager steps call.
+
+    Dynamo's automatic dynamic shapes are off: `decode_step` is one function for every model of the process, and
+    with them a draft model's trace after its target's took every size that differed between the two as a symbol
+    (its graphs traced twice, 25-31 s each instead of 4-7, and built for symbolic shapes)."""
     resolve_fused_ops()
-    with fx_patches_on_this_thread_only():
+    with fx_patches_on_this_thread_only(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         return _compile_graphs(model, attention, scratch_block, block_size)
 
 
