@@ -109,11 +109,16 @@ def test_the_compile_options_name_the_vector_width_that_the_cache_key_lacks(monk
 
 def test_a_draft_model_s_runner_and_the_target_s_both_compile_and_are_waited_for(model, monkeypatch):
     """A draft model's runner has a warm-up of its own beside the target's: both compile their decode step (one after
-    the other: two traces at once broke the second), and `wait_for_warm_up` returns once both are over."""
+    the other: two traces at once broke the second), the draft's passes are its runner's steps (its warm-up waited
+    its full second for a first step that never came), and `wait_for_warm_up` returns once both are over."""
     monkeypatch.setattr(warm_up, "read_precompiled", lambda path: None)  # traced, though an earlier test saved them
     llm = LLM(model, kv_cache_memory=16 << 20, dtype="float32", enforce_eager=False,
               speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 2})
     draft = llm.llm_engine.executor.worker.proposer.runner
+    assert not draft.warm_up._first_step_done.is_set()
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    # the draft's passes are its runner's steps: its warm-up waits for the first
+    assert draft.warm_up._first_step_done.is_set()
     assert llm.wait_for_warm_up()
     assert not draft.warm_up._thread.is_alive() and draft.compiled_decode is not None
 

@@ -132,7 +132,8 @@ class ModelRunner:
             self._step_threads = self.warm_up.step_threads
             use_threads_on_this_thread(self._step_threads)
 
-    def _step_done(self) -> None:
+    def step_done(self) -> None:
+        """A step (or a proposer's pass, which calls `forward` itself) is over: the warm-up's heavy work may start."""
         if self.warm_up is not None:
             self.warm_up.step_done()
 
@@ -153,7 +154,7 @@ class ModelRunner:
         if output is not None and plan.pooling:  # pooling requests' chunks (some may read none of their rows)
             normed = self.model.norm(pooling_hidden).float() if pooling_hidden is not None else None
             output.pooler_output = pool(plan.pooling, normed)
-        self._step_done()
+        self.step_done()
         return output
 
     def check_trees_supported(self, tree_width: int) -> None:
@@ -175,7 +176,7 @@ class ModelRunner:
         """Logits [step.num_logit_rows, vocab] on rank 0; None on the other ranks."""
         self._use_step_threads()
         logits = self.forward_step(step)[0]
-        self._step_done()
+        self.step_done()
         return logits
 
     def forward_step(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -96,4 +96,5 @@ class DraftModelProposer:
         from (None when every request is greedy)."""
         mb = lay_out_chunks(chunks, self.block_size)
         logits = self.runner.model.compute_logits(self.runner.forward(mb)[mb.logit_rows])
+        self.runner.step_done()
         return sample_drafts(logits, rows, self.vocab_size, self.runner.device)
