@@ -10,7 +10,8 @@ namespace inferno {
 constexpr int64_t TILE_ROWS = 16;  // weight rows per tile (q4_k_tile, q6_k_tile, int4_tile, q8_tile, q5_tile)
 constexpr int64_t Q4K_BLOCK_BYTES = 144, Q4K_TILE_BLOCK_BYTES = 2368;  // per super-block of 256 weights
 constexpr int64_t Q6K_BLOCK_BYTES = 210, Q6K_TILE_BLOCK_BYTES = 3360;
-constexpr int64_t INT4_TILE_BLOCK_BYTES = 320, Q8_TILE_BLOCK_BYTES = 576, Q5_TILE_BLOCK_BYTES = 352;  // per block of 32 columns
+// per block of 32 columns
+constexpr int64_t INT4_TILE_BLOCK_BYTES = 320, Q8_TILE_BLOCK_BYTES = 576, Q5_TILE_BLOCK_BYTES = 352;
 
 // bytes of a row of the int4 layout (quantized_gemv.cpp): K / 2 of codes, then a float16 scale and min per group
 constexpr int64_t int4_row_bytes(int64_t k, int64_t group_size) { return k / 2 + 4 * (k / group_size); }

@@ -317,7 +317,8 @@ Tensor q5_tile(const Tensor& codes, const Tensor& scales) {
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
               scales.size(0) == n && scales.size(1) == blocks, "scales must be float32 [", n, ", ", blocks, "]");
   check_tile_rows(n, "Q5");
-  auto tiles = at::empty({n / inferno::TILE_ROWS, blocks * inferno::Q5_TILE_BLOCK_BYTES}, codes.options().dtype(at::kByte));
+  auto tiles = at::empty({n / inferno::TILE_ROWS, blocks * inferno::Q5_TILE_BLOCK_BYTES},
+                         codes.options().dtype(at::kByte));
   TORCH_CHECK(cpu::q5_tile(view(codes), view(scales), view(tiles)),
               "Q5 tiles take codes in [-16, 15] and float16 scales");
   return tiles;

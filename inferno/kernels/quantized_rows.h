@@ -238,8 +238,8 @@ void super_block_matmul(const inferno::View& x, const inferno::View& blocks, con
 }
 
 // ---- tiles: TILE_ROWS weight rows regrouped so that a vector holds a few columns of each (q4_k_tile, q6_k_tile,
-// int4_tile, q8_tile, q5_tile). A tile is a row of tile blocks, each holding `span` columns: a K-quant super-block (256) or an int4 block
-// of 32. ----
+// int4_tile, q8_tile, q5_tile). A tile is a row of tile blocks, each holding `span` columns: a K-quant super-block
+// (256) or a block of 32. ----
 using inferno::TILE_ROWS;
 constexpr int64_t TILE_GROUP = 4;  // tiles per pass over a row block of x: it stays in L1 across them
 constexpr int64_t ROW_PANEL = 128;  // rows of x per pass over all of a thread's tiles
