@@ -273,26 +273,6 @@ def test_q8_tiles_hold_every_value(k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [*ROWS, 130])  # 130: two panels of rows (128 each)
-@pytest.mark.parametrize("k", [32, 576, 1536])
-def test_q8_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
-    weight = random_q8_groups(80, k, 32, with_mins=False, seed=m)  # 5 tiles: a group of 4 and one more
-    x = q8_kernel_inputs(m, k)
-    y = quantized_gemv().q8_tiles_matmul(x, quantized_gemv().q8_tile(weight.codes, weight.scales))
-    assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
-
-
-@needs_kernels
-@EACH_ISA_LEVEL
-def test_each_isa_level_of_the_q8_tiles_kernel_computes_the_same_sums(tmp_path, level):
-    weight = random_q8_groups(48, 576, 32, with_mins=False, seed=0)
-    xs = [q8_kernel_inputs(m, 576) for m in (1, 5)]
-    ys = isa_level_q8_tiles_outputs(tmp_path, level, xs, weight.codes, weight.scales)
-    for x, y in zip(xs, ys):
-        assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
-
-
-@needs_kernels
 @pytest.mark.parametrize("rows", [1, 6, gemm_from_rows("q8") + 1])
 def test_tiled_q8_linear_computes_the_kernels_sums_at_every_batch_size(rows):
     layer = Q8Linear(random_q8_groups(208, 128, 32, with_mins=False, seed=rows), in_features=100,
@@ -340,22 +320,29 @@ def test_q5_tiles_hold_every_value(k):
     assert torch.equal(untiled_q5(layer.tiles, k), layer.dequantize())
 
 
+# symmetric groups of 32 per kind of their tiles: Q8's (any int8 codes), Q5's (the Q5_0 block)
+TILED_GROUPS = {"q8": lambda n, k, seed: random_q8_groups(n, k, 32, with_mins=False, seed=seed),
+                "q5": random_q5_groups}
+
+
 @needs_kernels
 @pytest.mark.parametrize("m", [*ROWS, 130])  # 130: two panels of rows (128 each)
 @pytest.mark.parametrize("k", [32, 576, 1536])
-def test_q5_tiles_kernel_matches_float_sums_of_the_quantized_rows(m, k):
-    weight = random_q5_groups(80, k, seed=m)  # 5 tiles: a group of 4 and one more
-    x = q8_kernel_inputs(m, k)
-    y = quantized_gemv().q5_tiles_matmul(x, quantized_gemv().q5_tile(weight.codes, weight.scales))
+@pytest.mark.parametrize("tiles", list(TILED_GROUPS))
+def test_q8_and_q5_tiles_kernels_match_float_sums_of_the_quantized_rows(tiles, m, k):
+    weight = TILED_GROUPS[tiles](80, k, seed=m)  # 5 tiles: a group of 4 and one more
+    x, ops = q8_kernel_inputs(m, k), quantized_gemv()
+    y = getattr(ops, f"{tiles}_tiles_matmul")(x, getattr(ops, f"{tiles}_tile")(weight.codes, weight.scales))
     assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
 
 
 @needs_kernels
 @EACH_ISA_LEVEL
-def test_each_isa_level_of_the_q5_tiles_kernel_computes_the_same_sums(tmp_path, level):
-    weight = random_q5_groups(48, 576, seed=0)
+@pytest.mark.parametrize("tiles", list(TILED_GROUPS))
+def test_each_isa_level_of_the_q8_and_q5_tiles_kernels_computes_the_same_sums(tmp_path, tiles, level):
+    weight = TILED_GROUPS[tiles](48, 576, seed=0)
     xs = [q8_kernel_inputs(m, 576) for m in (1, 5)]
-    ys = isa_level_q8_tiles_outputs(tmp_path, level, xs, weight.codes, weight.scales, tiles="q5")
+    ys = isa_level_q8_tiles_outputs(tmp_path, level, xs, weight.codes, weight.scales, tiles)
     for x, y in zip(xs, ys):
         assert_close_to(y, quantize_rows_like_q8(x).double() @ weight.dequantize().double().t())
 

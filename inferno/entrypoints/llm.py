@@ -103,8 +103,8 @@ class LLM:
 
     def wait_for_warm_up(self, timeout: float | None = None) -> bool:
         """Block until the engine is at full speed: the background warm-ups (the compiled decode step, the weights on
-        huge pages; a draft model's too) are over, or `timeout` seconds have passed. True if decode steps now run compiled.
-        Generation never needs this (it runs during the warm-up); benchmarks of the steady state do."""
+        huge pages; a draft model's too) are over, or `timeout` seconds have passed. True if decode steps now run
+        compiled. Generation never needs this (it runs during the warm-up); benchmarks of the steady state do."""
         return self.llm_engine.wait_for_warm_up(timeout)
 
     def reset_prefix_cache(self) -> int:

@@ -64,6 +64,7 @@ class DraftModelProposer:
         if not wanted:
             return out
         self._propose(wanted, out)
+        self.runner.step_done()  # its passes are its runner's steps (the warm-up waits for the first)
         return out
 
     def _propose(self, wanted: list[tuple[DraftingRequest, int]], out: DraftOutput) -> None:
@@ -96,5 +97,4 @@ class DraftModelProposer:
         from (None when every request is greedy)."""
         mb = lay_out_chunks(chunks, self.block_size)
         logits = self.runner.model.compute_logits(self.runner.forward(mb)[mb.logit_rows])
-        self.runner.step_done()
         return sample_drafts(logits, rows, self.vocab_size, self.runner.device)
